@@ -1,0 +1,23 @@
+"""Paged KV cache: block pool, block tables, KV tensors, attention metadata and paged attention."""
+
+from .attention import paged_attention, paged_attention_ref, write_kv
+from .block_pool import BlockPool, NoFreeBlocksError
+from .block_table import BlockTable
+from .kv_cache import KVCacheSpec, PagedKVCache
+from .metadata import AttentionMetadata, build_attention_metadata
+from .triton_attention import paged_attention_triton, triton_available
+
+__all__ = [
+    "AttentionMetadata",
+    "BlockPool",
+    "BlockTable",
+    "KVCacheSpec",
+    "NoFreeBlocksError",
+    "PagedKVCache",
+    "build_attention_metadata",
+    "paged_attention",
+    "paged_attention_ref",
+    "paged_attention_triton",
+    "triton_available",
+    "write_kv",
+]

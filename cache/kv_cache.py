@@ -1,0 +1,93 @@
+"""Paged KV tensors for one model, sized from a memory budget; fp8 (e4m3) storage with scales."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape and storage of one model's KV cache.
+
+    ``dtype`` is the model dtype (fp32, bf16, fp16) or ``torch.float8_e4m3fn``, which halves the
+    cache of a bf16 model; fp8 values are stored as ``value / scale``.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVCacheSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.dtype.is_floating_point:
+            raise ValueError(f"KV cache dtype must be a floating type, got {self.dtype}")
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, keys and values."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class PagedKVCache:
+    """The KV cache of one model: ``kv [L, 2, N, S, Hkv, D]`` (index 0 keys, 1 values).
+
+    ``k_scale``/``v_scale`` convert between stored and real values (stored = value / scale,
+    read = stored * scale); they matter for fp8 and are 1.0 otherwise by default.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, kv_scale: float = 1.0) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"a KV cache needs at least one block, got num_blocks={num_blocks}")
+        if not kv_scale > 0:
+            raise ValueError(f"kv_scale must be > 0, got {kv_scale}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.k_scale = float(kv_scale)
+        self.v_scale = float(kv_scale)
+        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [L, 2, N, S, Hkv, D]
+
+    @classmethod
+    def from_memory_budget(
+        cls, spec: KVCacheSpec, budget_bytes: int, kv_scale: float = 1.0
+    ) -> PagedKVCache:
+        """As many blocks as fit in ``budget_bytes``; ValueError if not even one does."""
+        per_block = spec.bytes_per_block()
+        num_blocks = int(budget_bytes) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {int(budget_bytes)} bytes is below one block "
+                f"({per_block} bytes for {spec.num_layers} layers x 2 x {spec.block_size} tokens x "
+                f"{spec.num_kv_heads} heads x {spec.head_dim} dims in {spec.dtype})"
+            )
+        return cls(spec, num_blocks, kv_scale=kv_scale)
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(k_cache, v_cache)``, each ``[N, S, Hkv, D]``, of layer ``i``."""
+        if not 0 <= i < self.spec.num_layers:
+            raise ValueError(f"layer {i} out of range (0..{self.spec.num_layers - 1})")
+        return self.kv[i, 0], self.kv[i, 1]
+
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

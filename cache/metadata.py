@@ -1,0 +1,88 @@
+"""Per-step attention metadata for one flat (varlen) batch of query windows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .block_table import BlockTable
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step writes KV and what each sequence's queries attend to.
+
+    Sequence ``b`` owns the flat token rows ``query_start_loc[b]..query_start_loc[b+1]-1``; its
+    queries sit at positions ``seq_lens[b] - query_len_b .. seq_lens[b] - 1``. ``block_tables``
+    rows are padded with block 0 (never read: masked by ``seq_lens``).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: KV length after this step's writes
+    query_start_loc: torch.Tensor  # [B+1] int32
+    max_query_len: int
+    max_seq_len: int
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_cpu)
+
+
+def build_attention_metadata(
+    tables: list[BlockTable],
+    starts: list[int],
+    ends: list[int],
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """Metadata for sequence ``b`` writing and querying positions ``starts[b]..ends[b]-1``.
+
+    Built from host lists with one tensor creation per field. The tables must already hold slots
+    for ``ends[b]`` tokens (``ensure_slots``); ``num_computed`` is left for the caller to advance.
+
+    >>> from specdec.cache import BlockPool
+    >>> table = BlockTable(BlockPool(4), block_size=4); table.ensure_slots(6)
+    True
+    >>> meta = build_attention_metadata([table], [3], [6], "cpu")
+    >>> meta.slot_mapping.tolist(), meta.seq_lens_cpu, meta.query_lens_cpu
+    ([3, 4, 5], [6], [3])
+    """
+    if not len(tables) == len(starts) == len(ends):
+        raise ValueError(
+            f"tables, starts and ends differ in length: {len(tables)}, {len(starts)}, {len(ends)}"
+        )
+    block_size = tables[0].block_size if tables else 1
+    if any(t.block_size != block_size for t in tables):
+        raise ValueError("all block tables in one batch must share a block size")
+    slots: list[int] = []
+    query_start_loc = [0]
+    for table, start, end in zip(tables, starts, ends):
+        slots += table.slot_mapping(start, end)  # validates 0 <= start <= end <= capacity
+        query_start_loc.append(len(slots))
+    seq_lens = list(ends)
+    query_lens = [end - start for start, end in zip(starts, ends)]
+    max_seq_len = max(seq_lens, default=0)
+    max_blocks = -(-max_seq_len // block_size)
+    flat_tables: list[int] = []
+    for table, end in zip(tables, ends):
+        used = table.block_ids[: -(-end // block_size)]
+        flat_tables += used + [0] * (max_blocks - len(used))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(flat_tables, dtype=torch.int32, device=device).view(
+            len(tables), max_blocks
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max_seq_len,
+        seq_lens_cpu=seq_lens,
+        query_lens_cpu=query_lens,
+    )

@@ -1,0 +1,67 @@
+"""What every proposer takes and returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.cache import BlockPool, BlockTable
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of one step (`[B]` each) and the rows' generators."""
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1.0 = off
+    generators: list[torch.Generator | None]
+
+    def select(self, rows: list[int]) -> "SamplingTensors":
+        idx = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
+        return SamplingTensors(
+            self.temperature[idx], self.top_k[idx], self.top_p[idx], [self.generators[r] for r in rows]
+        )
+
+    def repeat(self, counts: list[int]) -> "SamplingTensors":
+        """Row b repeated counts[b] times (for the k+1 verification rows of each sequence)."""
+        reps = torch.tensor(counts, dtype=torch.long, device=self.temperature.device)
+        gens = [g for g, c in zip(self.generators, counts) for _ in range(c)]
+        return SamplingTensors(
+            self.temperature.repeat_interleave(reps),
+            self.top_k.repeat_interleave(reps),
+            self.top_p.repeat_interleave(reps),
+            gens,
+        )
+
+
+class DraftSequence(Protocol):
+    """The view of a running sequence that a proposer needs."""
+
+    token_ids: list[int]
+    draft_table: BlockTable | None
+
+
+@dataclass
+class DraftOutput:
+    """`token_ids [B, k]` padded with -1; `probs [B, k, V]` or None for a deterministic proposer."""
+
+    token_ids: torch.Tensor  # [B, k] int64
+    probs: torch.Tensor | None  # [B, k, V] float32
+    num_draft: list[int]  # [B] drafts actually proposed per row
+
+
+class Proposer(Protocol):
+    """Proposes up to `num_draft[b]` tokens for each sequence b."""
+
+    pool: BlockPool | None  # the proposer's own KV pool, if it has one
+
+    def propose(
+        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
+    ) -> DraftOutput: ...
+
+    def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
+        """Cache slots the proposer needs for a sequence of `num_tokens` drafting `num_draft`."""
+        ...

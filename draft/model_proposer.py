@@ -1,0 +1,68 @@
+"""Draft-model proposer: a small model with its own paged cache proposes k tokens per sequence."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.cache import BlockPool
+from specdec.draft.base import DraftOutput, DraftSequence, SamplingTensors
+from specdec.target.runner import ModelRunner, Window
+from specdec.verify import sample, warp_probs
+
+
+class DraftModelProposer:
+    """Proposes with a draft model, batched over sequences, keeping the draft probabilities `q`.
+
+    Each call first feeds the tokens the draft cache lacks (the catch-up: the whole prompt for a new
+    sequence, 1 token normally, 2 after a step where every draft was accepted), which yields the
+    logits for draft 1; then feeds d_1 .. d_{k-1} one at a time. d_k itself is never fed: the next
+    step's catch-up does that if it was accepted.
+
+    Example: tokens [a b c], draft cache holds [a b], k=3 -> feeds [c] -> d1; [d1] -> d2; [d2] -> d3.
+    """
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.runner.pool
+
+    def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
+        # Positions written: the catch-up up to num_tokens-1, then d_1..d_{k-1}.
+        return num_tokens + num_draft - 1 if num_draft > 0 else 0
+
+    @torch.inference_mode()
+    def propose(
+        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
+    ) -> DraftOutput:
+        b, k = len(seqs), max(num_draft, default=0)
+        device = self.runner.device
+        token_ids = torch.full((b, k), -1, dtype=torch.long, device=device)  # [B, k]
+        probs: torch.Tensor | None = None
+        rows = [i for i in range(b) if num_draft[i] > 0]
+        windows = [self._catch_up(seqs[i]) for i in rows]
+        for j in range(k):
+            logits = self.runner.forward(windows)  # [A, V]
+            step_sampling = sampling.select(rows)
+            step_probs = warp_probs(
+                logits, step_sampling.temperature, step_sampling.top_k, step_sampling.top_p
+            )  # [A, V]
+            step_tokens = sample(step_probs, step_sampling.generators)  # [A]
+            if probs is None:
+                probs = torch.zeros(b, k, step_probs.shape[-1], device=device)
+            idx = torch.tensor(rows, dtype=torch.long, device=device)
+            token_ids[idx, j] = step_tokens
+            probs[idx, j] = step_probs
+            keep = [a for a, i in enumerate(rows) if num_draft[i] > j + 1]
+            rows = [rows[a] for a in keep]
+            if not rows:
+                break
+            windows = [Window(seqs[i].draft_table, step_tokens[a : a + 1]) for a, i in zip(keep, rows)]
+        return DraftOutput(token_ids, probs, list(num_draft))
+
+    @staticmethod
+    def _catch_up(seq: DraftSequence) -> Window:
+        table = seq.draft_table
+        assert table is not None and table.num_computed < len(seq.token_ids)
+        return Window(table, seq.token_ids[table.num_computed :])

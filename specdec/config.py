@@ -1,0 +1,59 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROPOSERS = ("draft", "ngram", "none")
+KV_DTYPES = ("auto", "fp8")
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes an engine; validated on construction.
+
+    `target` / `draft` are model specs (a local HF folder, a .gguf file, a hub id, or the embedded
+    default pair `default-target` / `default-draft`). `proposer="none"` is plain decoding.
+    """
+
+    target: str = "default-target"
+    draft: str | None = "default-draft"
+    proposer: str = "draft"
+    num_speculative_tokens: int = 4
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_gib: float = 2.0  # both caches together, split so both hold the same tokens
+    kv_dtype: str = "auto"
+    num_blocks: int | None = None  # overrides the memory budget (both pools get this many)
+    max_num_seqs: int = 16
+    max_model_len: int | None = None
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
+        if self.proposer == "draft" and not self.draft:
+            raise ValueError("proposer 'draft' needs a draft model")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError("kv_cache_memory_gib must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+
+    @property
+    def speculative(self) -> bool:
+        return self.proposer != "none" and self.num_speculative_tokens > 0
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"

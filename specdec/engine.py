@@ -1,0 +1,285 @@
+"""The engine: schedule -> draft -> ONE target verify pass -> accept -> commit and roll back."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.draft import DraftModelProposer, NgramProposer, Proposer, SamplingTensors
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler import Scheduler
+from specdec.sequence import RequestOutput, Sequence, SequenceStatus, StepDelta, TokenOrigin
+from specdec.stopping import StopChecker
+from specdec.target.runner import ModelRunner, Window
+from specdec.verify import AcceptanceStats, rejection_sample, warp_probs
+
+
+class Engine:
+    """A speculative-decoding engine over a target and (optionally) a draft model.
+
+    Build it from a config (`Engine(EngineConfig(...))` loads the models) or from models already in
+    memory (`Engine.from_models`). Then `generate(prompts, params)` or `stream(prompts, params)`;
+    servers drive `add_request` / `step` / `abort` themselves.
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        from specdec.loading import load_engine_parts
+
+        config = config or EngineConfig()
+        target, draft, tokenizer = load_engine_parts(config)
+        self._setup(config, target, draft, tokenizer)
+
+    @classmethod
+    def from_models(
+        cls, config: EngineConfig, target: torch.nn.Module, draft: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+    ) -> "Engine":
+        engine = cls.__new__(cls)
+        engine._setup(config, target, draft, tokenizer)
+        return engine
+
+    def _setup(self, config: EngineConfig, target, draft, tokenizer) -> None:
+        from specdec.loading import build_runners
+
+        self.config = config
+        self.tokenizer = tokenizer
+        self.target, draft_runner = build_runners(config, target, draft)
+        self.proposer: Proposer | None = None
+        if config.speculative and config.proposer == "draft":
+            self.proposer = DraftModelProposer(draft_runner)
+        elif config.speculative and config.proposer == "ngram":
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max, self.target.device)
+        self.max_model_len = self._max_model_len(draft_runner)
+        draft_pool = self.proposer.pool if self.proposer is not None else None
+        self.scheduler = Scheduler(
+            self.target.pool, self.target.block_size,
+            draft_pool, draft_runner.block_size if draft_runner is not None else 1,
+            config.max_num_seqs, self.max_model_len,
+            self.proposer.draft_slots_needed if self.proposer is not None else (lambda n, k: 0),
+        )
+        self.eos_token_ids = set(target.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.stats = AcceptanceStats()
+        self._sequences: dict[str, Sequence] = {}
+        self._counter = itertools.count()
+        self.device = self.target.device
+
+    def _max_model_len(self, draft_runner: ModelRunner | None) -> int:
+        runners = [self.target] + ([draft_runner] if self.proposer and draft_runner else [])
+        limits = [r.max_positions for r in runners]
+        limits += [r.pool.num_blocks * r.block_size for r in runners]
+        if self.config.max_model_len:
+            limits.append(self.config.max_model_len)
+        return min(limits)
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        """Prompt text -> token ids, through the chat template when `chat`."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer; pass token ids")
+        from specdec.target.tokenizer import apply_chat_template
+
+        if chat:
+            return apply_chat_template(self.tokenizer, prompt)
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None,
+        request_id: str | None = None, num_speculative_tokens: int | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError for prompts that can never run."""
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; this engine fits at most "
+                f"{self.max_model_len - 1} (context length / KV cache size)"
+            )
+        k = self.config.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
+        if not 0 <= k <= 16:
+            raise ValueError(f"num_speculative_tokens must be in 0..16, got {k}")
+        request_id = request_id or f"req-{next(self._counter)}"
+        if request_id in self._sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params, k if self.proposer else 0, next(self._counter))
+        if params.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(params.seed)
+        seq.detokenizer = StopChecker(self.tokenizer, token_ids, params)
+        self._sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks in both pools; False if it is unknown or done."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is None or seq.finished:
+            return False
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[StepDelta]:
+        """One speculative step for every scheduled sequence; returns what each one emitted."""
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+        sampling = self._sampling_tensors(seqs)
+        ks = [self.scheduler.num_draft(s) for s in seqs]
+        if self.proposer is not None and any(ks):
+            draft = self.proposer.propose(seqs, ks, sampling)
+            num_draft, k = draft.num_draft, max(draft.num_draft)
+            draft_ids = draft.token_ids[:, :k]  # [B, k]
+            draft_probs = draft.probs[:, :k] if draft.probs is not None else None  # [B, k, V]
+        else:
+            num_draft, k = [0] * len(seqs), 0
+            draft_ids = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
+            draft_probs = None
+        windows = [self._verify_window(s, draft_ids[b, : num_draft[b]]) for b, s in enumerate(seqs)]
+        logits = self.target.forward(windows)  # [sum(n_b + 1), V]
+        counts = [n + 1 for n in num_draft]
+        rows = sampling.repeat(counts)
+        target_probs = _pad_rows(warp_probs(logits, rows.temperature, rows.top_k, rows.top_p), counts)
+        out = rejection_sample(
+            draft_ids, torch.tensor(num_draft, device=self.device), draft_probs, target_probs,
+            sampling.generators,
+        )
+        token_rows, accepted = out.token_ids.tolist(), out.num_accepted.tolist()  # the one host sync
+        return [
+            self._commit(s, token_rows[b], accepted[b], num_draft[b]) for b, s in enumerate(seqs)
+        ]
+
+    def _verify_window(self, seq: Sequence, drafts: torch.Tensor) -> Window:
+        """[tokens the target cache lacks (the last one, or the whole prompt)] + [d_1..d_n]."""
+        table = seq.target_table
+        pending = seq.token_ids[table.num_computed :]
+        if drafts.numel() == 0:
+            return Window(table, pending, 1)
+        head = torch.tensor(pending, dtype=torch.long, device=self.device)
+        return Window(table, torch.cat([head, drafts]), drafts.numel() + 1)
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        p = [s.params for s in seqs]
+        dev = self.device
+        return SamplingTensors(
+            torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
+            torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
+            torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
+            [s.generator for s in seqs],
+        )
+
+    def _commit(self, seq: Sequence, row: list[int], num_accepted: int, num_draft: int) -> StepDelta:
+        """Append accepted (+1) tokens up to a stop, roll both caches back, finish if done."""
+        new = row[: num_accepted + 1]
+        last = TokenOrigin.TARGET if num_draft == 0 else (
+            TokenOrigin.BONUS if num_accepted == num_draft else TokenOrigin.RECOVERED
+        )
+        origins = [TokenOrigin.ACCEPTED] * num_accepted + [last]
+        if num_draft > 0:
+            seq.stats.update(num_draft, num_accepted)
+            self.stats.update(num_draft, num_accepted)
+        emitted, reason = [], None
+        for token in new:
+            reason = self._append(seq, token)
+            if reason != "eos":
+                emitted.append(token)
+            if reason is not None:
+                break
+        text, text_reason = seq.detokenizer.push(emitted, final=reason is not None)
+        reason = text_reason or ("stop" if reason == "eos" else reason)
+        for table in (seq.target_table, seq.draft_table):
+            if table is not None:
+                table.truncate(seq.num_tokens - 1)
+        if reason is not None:
+            seq.finish_reason = reason
+            seq.output_text = seq.detokenizer.text
+            self.scheduler.finish(seq)
+        return StepDelta(
+            seq.request_id, emitted, origins[: len(emitted)], text, num_draft, num_accepted,
+            reason is not None, reason,
+        )
+
+    def _append(self, seq: Sequence, token: int) -> str | None:
+        """Append one token; the finish reason it causes, if any ('eos', 'stop', 'length')."""
+        seq.token_ids.append(token)
+        if not seq.params.ignore_eos and token in self.eos_token_ids:
+            return "eos"
+        if token in seq.params.stop_token_ids:
+            return "stop"
+        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ---- convenience ---------------------------------------------------------------------------
+
+    def stream(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None
+    ) -> Iterator[StepDelta]:
+        """Add every prompt, then yield each step's deltas until all are done."""
+        ids = [self.add_request(p, params) for p in prompts]
+        try:
+            while self.has_unfinished():
+                yield from self.step()
+        finally:
+            for rid in ids:
+                self.abort(rid)
+
+    def generate(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (batched); outputs in prompt order."""
+        prompts = list(prompts)
+        ids = [self.add_request(p, params) for p in prompts]
+        seqs = [self._sequences[r] for r in ids]
+        while self.has_unfinished():
+            self.step()
+        outputs = [self.output(s) for s in seqs]
+        for rid in ids:
+            self._sequences.pop(rid, None)
+        return outputs
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            seq.request_id, seq.token_ids[: seq.prompt_len], seq.generated_ids,
+            seq.detokenizer.text, seq.finish_reason, seq.stats,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (servers call this after the last delta)."""
+        seq = self._sequences.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq)
+
+    def kv_usage(self) -> dict[str, dict[str, int]]:
+        pools = {"target": self.target.pool}
+        if self.proposer is not None and self.proposer.pool is not None:
+            pools["draft"] = self.proposer.pool
+        return {
+            name: {"total": p.num_blocks, "free": p.num_free, "used": p.num_used}
+            for name, p in pools.items()
+        }
+
+
+def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`flat [sum(counts), V]` -> `[B, max(counts), V]`, zero rows where a sequence has fewer."""
+    b, width = len(counts), max(counts)
+    if all(c == width for c in counts):
+        return flat.view(b, width, -1)
+    out = flat.new_zeros(b, width, flat.shape[-1])
+    bi = [i for i, c in enumerate(counts) for _ in range(c)]
+    ji = [j for c in counts for j in range(c)]
+    out[bi, ji] = flat
+    return out

@@ -1,0 +1,76 @@
+"""From an `EngineConfig` to loaded models, a tokenizer and sized KV caches."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from specdec.config import EngineConfig
+from specdec.target.runner import ModelRunner
+from specdec.target.weights import load_model, parse_dtype
+
+GIB = 1 << 30
+
+
+class TokenizerMismatchError(ValueError):
+    """Draft and target do not share a tokenizer, so draft tokens mean nothing to the target."""
+
+
+def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
+    """Resolve and load the target, the draft (when the draft proposer is used) and the tokenizer."""
+    from specdec.target.loader import resolve_model
+    from specdec.target.tokenizer import load_tokenizer
+
+    dtype, device = parse_dtype(config.dtype), config.resolved_device()
+    t0 = time.perf_counter()
+    target_dir = resolve_model(config.target)
+    tokenizer = load_tokenizer(target_dir)
+    target = load_model(target_dir, dtype, device)
+    draft = None
+    if config.speculative and config.proposer == "draft":
+        draft_dir = resolve_model(config.draft)
+        check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), config)
+        draft = load_model(draft_dir, dtype, device)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise TokenizerMismatchError(
+                f"draft vocab {draft.config.vocab_size} != target vocab {target.config.vocab_size}"
+            )
+    if log:
+        log(f"loaded models in {time.perf_counter() - t0:.1f}s")
+    return target, draft, tokenizer
+
+
+def check_same_tokenizer(target_tok: Any, draft_tok: Any, config: EngineConfig) -> None:
+    if target_tok.get_vocab() != draft_tok.get_vocab():
+        raise TokenizerMismatchError(
+            f"draft {config.draft!r} and target {config.target!r} use different tokenizers; "
+            "speculative decoding needs the same vocabulary (use --proposer ngram, or a draft "
+            "from the target's family)"
+        )
+
+
+def build_runners(
+    config: EngineConfig, target: torch.nn.Module, draft: torch.nn.Module | None
+) -> tuple[ModelRunner, ModelRunner | None]:
+    """Size both paged caches so they hold the same number of tokens within the memory budget."""
+    uses_draft = config.speculative and config.proposer == "draft"
+    if uses_draft and draft is None:
+        raise ValueError("proposer 'draft' needs a draft model")
+    models = [target] + ([draft] if uses_draft else [])
+    kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
+    if config.num_blocks is not None:
+        runners = [ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=config.num_blocks) for m in models]
+    else:
+        per_block = [_bytes_per_block(m, config.block_size, kv_dtype) for m in models]
+        num_blocks = max(1, int(config.kv_cache_memory_gib * GIB) // sum(per_block))
+        runners = [ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks) for m in models]
+    return runners[0], (runners[1] if uses_draft else None)
+
+
+def _bytes_per_block(model: torch.nn.Module, block_size: int, kv_dtype: torch.dtype | None) -> int:
+    cfg = model.config
+    dtype = kv_dtype or next(model.parameters()).dtype
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem

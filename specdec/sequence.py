@@ -1,0 +1,94 @@
+"""A request's life inside the engine: its tokens, its two block tables, its counters."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.cache import BlockTable
+from specdec.sampling_params import SamplingParams
+from specdec.verify import AcceptanceStats
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class TokenOrigin(str, enum.Enum):
+    """Where an emitted token came from."""
+
+    ACCEPTED = "accepted"  # a draft token the target agreed with
+    RECOVERED = "recovered"  # the target's correction at the first rejected position
+    BONUS = "bonus"  # the target's extra token after all drafts were accepted
+    TARGET = "target"  # plain decoding (no drafts this step)
+
+
+@dataclass
+class Sequence:
+    """One request. `token_ids` holds prompt + generated tokens; the tables hold their KV."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    num_speculative_tokens: int
+    arrival: int
+    prompt_len: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    target_table: BlockTable | None = None
+    draft_table: BlockTable | None = None
+    generator: torch.Generator | None = None
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    finish_reason: str | None = None
+    detokenizer: Any = None
+    output_text: str = ""
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_len = self.prompt_len or len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class StepDelta:
+    """What one engine step added to one request (the streaming unit)."""
+
+    request_id: str
+    token_ids: list[int]
+    origins: list[TokenOrigin]
+    text: str
+    num_drafted: int
+    num_accepted: int
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: text, token ids and acceptance statistics."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stats: AcceptanceStats

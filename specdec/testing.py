@@ -1,0 +1,62 @@
+"""Tiny random models for tests and smoke runs (no downloads): transformers twins of our model."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.target.config import ModelConfig
+from specdec.target.model import LlamaForCausalLM
+
+TINY_VOCAB = 96
+
+
+def tiny_hf_config(arch: str = "llama", vocab_size: int = TINY_VOCAB, **overrides):
+    """A small transformers config of the given family ('llama', 'qwen2' or 'mistral')."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    config = cls(**kwargs)
+    config.architectures = [f"{cls.__name__.replace('Config', '')}ForCausalLM"]
+    return config
+
+
+def tiny_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random transformers causal LM in fp32, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # sharper logits than the default init, so greedy/sampling are not flat
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+def from_hf(hf_model, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Our model with the same weights as a transformers model."""
+    config = ModelConfig.from_hf(hf_model.config)
+    model = LlamaForCausalLM(config)
+    state = {k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, unexpected
+    assert set(missing) <= {"lm_head.weight"}, missing
+    return model.to(dtype).eval()
+
+
+def tiny_pair(arch: str = "llama", seed: int = 0, **overrides):
+    """(target, draft) of our model class sharing a vocabulary; the draft is a different random net."""
+    target = from_hf(tiny_hf_model(arch, seed, **overrides))
+    draft = from_hf(tiny_hf_model(arch, seed + 1, num_hidden_layers=1, **overrides))
+    return target, draft

@@ -1,0 +1,131 @@
+"""A Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) over flat, varlen token batches.
+
+The model sees only `input_ids [T]`, `positions [T]`, the paged KV cache and the attention metadata
+of one step; it returns logits only for the rows asked for (`logits_indices`), so verification can
+keep all `k+1` rows of each window while prefill keeps just the last one. Parameter names are
+identical to transformers', so an HF safetensors state dict loads as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.cache import AttentionMetadata, PagedKVCache, paged_attention, write_kv
+from specdec.target.config import ModelConfig
+from specdec.target.rope import RotaryEmbedding, apply_rope
+
+MAX_ROPE_POSITIONS = 32768
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as transformers does, then scale in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.scale = d**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
+        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        kv_cache: PagedKVCache,
+        layer_idx: int,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
+        out = paged_attention(
+            q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale
+        )  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, kv_cache, layer_idx, meta) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, layer_idx, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head; `forward` returns logits `[R, V]` (fp32) for `logits_indices` only."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        max_pos = min(config.max_position_embeddings, MAX_ROPE_POSITIONS)
+        self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_pos)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def max_positions(self) -> int:
+        return self.rotary.cos.shape[0]
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_cache: PagedKVCache,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,  # [R]
+    ) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kv_cache, i, meta)
+        h = self.model.norm(h[logits_indices])  # [R, hidden]
+        return self.lm_head(h).float()  # [R, V]

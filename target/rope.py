@@ -1,0 +1,60 @@
+"""Rotary position embeddings, with the scaling variants transformers defines (llama3, yarn, ...)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _rope_parameters(hf_config: Any) -> dict:
+    """The rope dict of a config from transformers 5 (`rope_parameters`) or 4 (`rope_scaling`)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if not params:
+        params = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def inv_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """`(inv_freq [D/2], attention_scaling)` for the rope type the config names."""
+    params = _rope_parameters(hf_config)
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        base = float(params.get("rope_theta", 10000.0))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        return (1.0 / base**exponents).float(), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise ValueError(f"rope type {rope_type!r} is not supported")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (neox / rotate-half layout)."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = inv_frequencies(hf_config, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`positions [T]` -> `(cos [T, 1, D], sin [T, 1, D])` in `dtype`."""
+        cos = self.cos[positions].to(dtype).unsqueeze(1)
+        sin = self.sin[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [T, H, D]` by the per-token angles."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,106 @@
+"""Model runner: one model, its paged KV cache, and the varlen batch of one forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.cache import BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata
+from specdec.target.model import LlamaForCausalLM
+
+
+@dataclass
+class Window:
+    """One sequence's slice of a forward: `token_ids` are fed from position `table.num_computed`.
+
+    The runner keeps logits for the last `num_logits` rows of the window (1 for prefill or plain
+    decoding, k+1 for verification, 0 for a pure cache fill).
+    """
+
+    table: BlockTable
+    token_ids: list[int] | torch.Tensor  # a device tensor avoids a host sync in the draft loop
+    num_logits: int = 1
+
+
+class ModelRunner:
+    """Owns a model, its `PagedKVCache` and the `BlockPool` over that cache's blocks."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.spec.block_size
+        self.pool = BlockPool(kv_cache.num_blocks)
+        self.device = next(model.parameters()).device
+
+    @classmethod
+    def build(
+        cls,
+        model: LlamaForCausalLM,
+        block_size: int,
+        kv_dtype: torch.dtype | None = None,
+        num_blocks: int | None = None,
+        memory_bytes: int | None = None,
+    ) -> "ModelRunner":
+        """Size the KV cache from `num_blocks`, or else from a `memory_bytes` budget."""
+        cfg = model.config
+        param = next(model.parameters())
+        spec = KVCacheSpec(
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=block_size,
+            dtype=kv_dtype or param.dtype,
+            device=param.device,
+        )
+        if num_blocks is not None:
+            cache = PagedKVCache(spec, num_blocks)
+        elif memory_bytes is not None:
+            cache = PagedKVCache.from_memory_budget(spec, memory_bytes)
+        else:
+            raise ValueError("give num_blocks or memory_bytes")
+        return cls(model, cache)
+
+    def new_table(self) -> BlockTable:
+        return BlockTable(self.pool, self.block_size)
+
+    @property
+    def max_positions(self) -> int:
+        return self.model.max_positions
+
+    def forward(self, windows: list[Window]) -> torch.Tensor:
+        """Run all windows in one pass; returns logits `[sum(num_logits), V]` in window order.
+
+        Each table must already have slots for its window (`ensure_slots`); its `num_computed`
+        advances past the window.
+        """
+        starts = [w.table.num_computed for w in windows]
+        ends = [s + len(w.token_ids) for s, w in zip(starts, windows)]
+        for w, end in zip(windows, ends):
+            assert end <= w.table.capacity, "window exceeds the table's allocated slots"
+        positions, logits_indices = [], []
+        offset = 0
+        for w, start, end in zip(windows, starts, ends):
+            positions.extend(range(start, end))
+            offset += end - start
+            logits_indices.extend(range(offset - w.num_logits, offset))
+        meta = build_attention_metadata([w.table for w in windows], starts, ends, self.device)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        logits = self.model(
+            self._input_ids(windows), as_tensor(positions), self.kv_cache, meta, as_tensor(logits_indices)
+        )
+        for w, end in zip(windows, ends):
+            w.table.num_computed = end
+        return logits
+
+    def _input_ids(self, windows: list[Window]) -> torch.Tensor:
+        """Flat `[T]` token ids; host lists become one tensor, device tensors are concatenated."""
+        if all(isinstance(w.token_ids, list) for w in windows):
+            flat = [t for w in windows for t in w.token_ids]
+            return torch.tensor(flat, dtype=torch.long, device=self.device)
+        parts = [
+            w.token_ids.reshape(-1) if isinstance(w.token_ids, torch.Tensor)
+            else torch.tensor(w.token_ids, dtype=torch.long, device=self.device)
+            for w in windows
+        ]
+        return torch.cat(parts)

@@ -1,0 +1,66 @@
+"""Build a `LlamaForCausalLM` from a local HF folder (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from specdec.target.config import ModelConfig
+from specdec.target.model import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    return ModelConfig.from_hf(AutoConfig.from_pretrained(str(model_dir)))
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LlamaForCausalLM:
+    """Instantiate the model without initialising weights, then fill it from the safetensors files."""
+    config = load_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors files")
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name not in params:
+                    if name == "lm_head.weight" and config.tie_word_embeddings:
+                        continue
+                    if "rotary_emb" in name:
+                        continue
+                    raise ValueError(f"unexpected weight {name!r} in {file.name}")
+                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
+                _assign(model, name, torch.nn.Parameter(tensor, requires_grad=False))
+                loaded.add(name)
+    missing = set(params) - loaded
+    if config.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if missing:
+        raise ValueError(f"{model_dir} lacks weights: {sorted(missing)[:5]}...")
+    model.rotary = model.rotary.__class__(config.hf_config, config.head_dim, model.max_positions)
+    return model.to(device).eval()
+
+
+def _assign(model: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    module_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(module_name), attr, param)
