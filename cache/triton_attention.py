@@ -70,6 +70,7 @@ def paged_attention_triton(
         BLOCK_M=block_m,
         BLOCK_N=64,
         DEQUANT=dequant,
+        UPCAST_DOT=query.device.type == "cpu",  # CPU means the interpreter
     )  # fmt: skip
     return out
 

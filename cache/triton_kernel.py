@@ -41,6 +41,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # query tokens per program
     BLOCK_N: tl.constexpr,  # key positions per inner step
     DEQUANT: tl.constexpr,  # cache dtype differs from the query's or scales != 1
+    UPCAST_DOT: tl.constexpr,  # fp32 dots: the interpreter multiplies bf16 as raw uint16
 ):
     """One program: BLOCK_M query tokens x the GROUP query heads sharing one KV head.
 
@@ -67,6 +68,8 @@ def paged_attention_kernel(
         q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
         io_mask = row_valid[:, None] & dim_valid[None, :]
         q = tl.load(q_ptrs, mask=io_mask, other=0.0)  # [R, Dp]
+        if UPCAST_DOT:
+            q = q.to(tl.float32)
         q_pos = context + q_idx  # [R] absolute position of each query
 
         # Finite start so fully masked (padding) rows never produce inf - inf.
@@ -91,7 +94,8 @@ def paged_attention_kernel(
             )
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [Nt, Dp]
             if DEQUANT:
-                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+                k = k.to(tl.float32) * k_scale
+            k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale  # [R, Nt]
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -109,8 +113,8 @@ def paged_attention_kernel(
             )
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [Nt, Dp]
             if DEQUANT:
-                v = (v.to(tl.float32) * v_scale).to(q.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                v = v.to(tl.float32) * v_scale
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

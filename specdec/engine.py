@@ -191,15 +191,8 @@ class Engine:
         if num_draft > 0:
             seq.stats.update(num_draft, num_accepted)
             self.stats.update(num_draft, num_accepted)
-        emitted, reason = [], None
-        for token in new:
-            reason = self._append(seq, token)
-            if reason != "eos":
-                emitted.append(token)
-            if reason is not None:
-                break
-        text, text_reason = seq.detokenizer.push(emitted, final=reason is not None)
-        reason = text_reason or ("stop" if reason == "eos" else reason)
+        emitted, pieces, reason = self._append_tokens(seq, new)
+        text = "".join(pieces)
         for table in (seq.target_table, seq.draft_table):
             if table is not None:
                 table.truncate(seq.num_tokens - 1)
@@ -209,19 +202,38 @@ class Engine:
             self.scheduler.finish(seq)
         return StepDelta(
             seq.request_id, emitted, origins[: len(emitted)], text, num_draft, num_accepted,
-            reason is not None, reason,
+            reason is not None, reason, pieces,
         )
 
-    def _append(self, seq: Sequence, token: int) -> str | None:
-        """Append one token; the finish reason it causes, if any ('eos', 'stop', 'length')."""
-        seq.token_ids.append(token)
-        if not seq.params.ignore_eos and token in self.eos_token_ids:
-            return "eos"
-        if token in seq.params.stop_token_ids:
-            return "stop"
-        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+    def _append_tokens(self, seq: Sequence, new: list[int]) -> tuple[list[int], list[str], str | None]:
+        """Append tokens until a stop; returns (emitted ids, their text pieces, finish reason).
+
+        EOS ends the request without being emitted; a stop string ends it at the token that
+        completed it, with the stop string cut from the text; tokens past a stop are dropped.
+        """
+        emitted: list[int] = []
+        pieces: list[str] = []
+        reason = None
+        for token in new:
+            seq.token_ids.append(token)
+            if not seq.params.ignore_eos and token in self.eos_token_ids:
+                reason = "stop"
+                break
+            emitted.append(token)
+            piece, hit = seq.detokenizer.push([token])
+            pieces.append(piece)
+            if hit or token in seq.params.stop_token_ids:
+                return emitted, pieces, "stop"
+            if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+                break
+        if reason is not None:
+            tail, _ = seq.detokenizer.push([], final=True)
+            if pieces:
+                pieces[-1] += tail
+            elif tail:
+                pieces.append(tail)
+        return emitted, pieces, reason
 
     # ---- convenience ---------------------------------------------------------------------------
 

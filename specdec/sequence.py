@@ -80,6 +80,7 @@ class StepDelta:
     num_accepted: int
     finished: bool
     finish_reason: str | None = None
+    pieces: list[str] = field(default_factory=list)  # text of each token (aligned with token_ids)
 
 
 @dataclass

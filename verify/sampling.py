@@ -3,7 +3,7 @@
 `warp_probs` is used for the draft and the target alike: speculative decoding is lossless only
 if `q` and `p` are warped by exactly the same rules. The order is the usual one (HF, vLLM):
 temperature, then top-k, then top-p, then renormalize. Both filters keep ties at their boundary,
-so the result depends only on the values of a row, not on how a sort orders equal logits.
+so the result depends only on the values in a row, never on how a sort orders equal logits.
 
 `sample` uses the exponential race: argmax(w / E) with E ~ Exp(1) i.i.d. picks index i with
 probability w_i / sum(w). It needs no normalization, no cumulative sums and no host sync.
@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 
 _TINY = torch.finfo(torch.float32).tiny
+# On the CPU a full sort of a 150k vocabulary costs ~20 ms per row; top-p first looks for its
+# cut-off among this many best tokens and sorts everything only when the nucleus is wider.
+_TOP_P_CANDIDATES = 1024
 
 
 def warp_probs(
@@ -30,30 +33,31 @@ def warp_probs(
     kept), renormalized.
 
     Keep `temperature`, `top_k` and `top_p` on the CPU when you can (they are per-request
-    settings): then batches where no row filters skip the sort without any device sync. On another
-    device the general path runs, which is also sync-free.
+    settings): batches where no row filters, or no row is greedy, then skip that work without any
+    device sync. On another device the general path runs, which is sync-free too.
 
     Example: logits = log([1, 2, 3, 4]), temperature 1, top_k 3, top_p 0.5 ->
     top-k keeps [_, .2, .3, .4] / .9; the top token alone has .44 < .5, so the two best stay:
     [0, 0, 3/7, 4/7].
     """
     _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    device = logits.device
     greedy = temperature <= 0  # [R]; SamplingParams rejects negative temperatures
-    greedy_dev = greedy.to(device, non_blocking=True)
-    argmax = logits.argmax(dim=-1, keepdim=True)  # [R, 1]
-    one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=device)
-    one_hot.scatter_(1, argmax, 1.0)
-    if greedy.device.type == "cpu" and bool(greedy.all()):
-        return one_hot
+    on_host = all(t.device.type == "cpu" for t in (temperature, top_k, top_p))
+    any_greedy = bool(greedy.any()) if on_host else True
+    if on_host and bool(greedy.all()):
+        return _one_hot_argmax(logits)
 
-    temp = torch.where(greedy, torch.ones_like(temperature), temperature)
-    scaled = logits.float() / temp.to(device, torch.float32, non_blocking=True).unsqueeze(1)
-    use_k, use_p = _filters_needed(greedy, top_k, top_p)
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature)  # [R]
+    scaled = logits.float() / temp.to(logits.device, torch.float32).unsqueeze(1)  # [R, V]
+    sampled = ~greedy
+    use_k = bool(((top_k > 0) & sampled).any()) if on_host else True
+    use_p = bool(((top_p < 1) & sampled).any()) if on_host else True
     if use_k or use_p:
-        scaled = _apply_top_k_top_p(scaled, top_k.to(device), top_p.to(device), use_p)
+        scaled = _apply_top_k_top_p(scaled, top_k.to(logits.device), top_p.to(logits.device), use_p)
     probs = torch.softmax(scaled, dim=-1)  # [R, V]
-    return torch.where(greedy_dev.unsqueeze(1), one_hot, probs)
+    if not any_greedy:
+        return probs
+    return torch.where(greedy.to(logits.device).unsqueeze(1), _one_hot_argmax(logits), probs)
 
 
 def sample(
@@ -62,32 +66,27 @@ def sample(
 ) -> torch.Tensor:  # [R] int64
     """Draw one token per row, proportional to `probs`, without leaving the device.
 
-    Rows with a generator take all their noise (V exponentials) from it, so a seeded row gives the
+    Rows with a generator take all their noise (V uniforms) from it, so a seeded row gives the
     same token whatever else is in the batch; the others share one batched draw from the default
-    RNG. A one-hot row always gives its hot index.
+    RNG. A one-hot row always gives its hot index; a zero weight is never drawn.
     """
     if probs.ndim != 2:
         raise ValueError(f"probs must be [R, V], got shape {tuple(probs.shape)}")
     if len(generators) != probs.shape[0]:
         raise ValueError(f"got {len(generators)} generators for {probs.shape[0]} rows")
-    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)  # [R, V]
-    noise.exponential_()
+    uniform = torch.rand(probs.shape, device=probs.device)  # [R, V] in [0, 1)
     for row, generator in enumerate(generators):
         if generator is not None:
-            noise[row].exponential_(generator=generator)
-    # An exact 0 draw would turn 0/0 into NaN, which argmax ranks first.
-    noise.clamp_(min=_TINY)
-    return (probs.float() / noise).argmax(dim=-1)
+            uniform[row].uniform_(generator=generator)
+    # log U = -E with E ~ Exp(1), so argmax(w / E) = argmin(w / log U). Clamping U away from 0
+    # keeps every E finite: an infinite E would tie a real token with the zero weights.
+    log_uniform = uniform.clamp_(min=_TINY).log_()  # [R, V], all < 0
+    return (probs.float() / log_uniform).argmin(dim=-1)
 
 
-def _filters_needed(
-    greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> tuple[bool, bool]:
-    """Whether any sampled row uses top-k / top-p; decided on the host when that is free."""
-    if top_k.device.type != "cpu" or top_p.device.type != "cpu" or greedy.device.type != "cpu":
-        return True, True  # deciding would need a device sync; the general path is exact
-    sampled = ~greedy
-    return bool(((top_k > 0) & sampled).any()), bool(((top_p < 1) & sampled).any())
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] float32
+    one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
 def _apply_top_k_top_p(
@@ -96,38 +95,53 @@ def _apply_top_k_top_p(
     top_p: torch.Tensor,  # [R]
     use_p: bool,
 ) -> torch.Tensor:  # [R, V] with filtered logits at -inf
-    """Mask every logit below the row's threshold: max(k-th largest, top-p cut-off)."""
+    """Mask every logit below its row's threshold: max(k-th largest, top-p cut-off)."""
     vocab = logits.shape[-1]
     k_on = (top_k > 0) & (top_k < vocab)  # [R]; k >= V keeps everything
-    k_idx = (top_k.clamp(1, vocab) - 1).long().unsqueeze(1)  # [R, 1]
-    neg_inf = torch.full_like(logits[:, :1], float("-inf"))  # [R, 1]
-    if not use_p:
-        # Top-k alone needs only the largest max_k values, not a full sort.
-        if top_k.device.type == "cpu":
-            max_k = int(torch.where(k_on, top_k, 1).max())
-        else:
-            max_k = vocab
-        largest = logits.topk(max_k, dim=-1).values  # [R, max_k], descending
-        kth = largest.gather(1, k_idx.clamp(max=max_k - 1))  # [R, 1]
-        threshold = torch.where(k_on.unsqueeze(1), kth, neg_inf)
-        return logits.masked_fill(logits < threshold, float("-inf"))
+    width = vocab  # how many of the best logits to look at, in descending order
+    if logits.device.type == "cpu":  # host values are free here; elsewhere sort everything
+        width = int(torch.where(k_on, top_k, 1).max())
+        if use_p:
+            width = min(vocab, max(width, _TOP_P_CANDIDATES))
+    threshold = _threshold(logits, top_k, top_p, k_on, width, use_p)
+    if threshold is None:  # some nucleus is wider than the candidates
+        threshold = _threshold(logits, top_k, top_p, k_on, vocab, use_p)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
-    sorted_logits = logits.sort(dim=-1, descending=True).values  # [R, V]
-    kth = sorted_logits.gather(1, k_idx)  # [R, 1]
+
+def _threshold(
+    logits: torch.Tensor,  # [R, V]
+    top_k: torch.Tensor,  # [R]
+    top_p: torch.Tensor,  # [R]
+    k_on: torch.Tensor,  # [R] bool
+    width: int,
+    use_p: bool,
+) -> torch.Tensor | None:  # [R, 1]; None when width < V does not reach a top-p cut-off
+    vocab = logits.shape[-1]
+    if width < vocab:
+        head = logits.topk(width, dim=-1).values  # [R, width], descending
+    else:
+        head = logits.sort(dim=-1, descending=True).values  # [R, V]
+    neg_inf = torch.full_like(head[:, :1], float("-inf"))  # [R, 1]
+    kth = head.gather(1, (top_k.clamp(1, width) - 1).long().unsqueeze(1))  # [R, 1]
     k_threshold = torch.where(k_on.unsqueeze(1), kth, neg_inf)
-    sorted_probs = torch.softmax(
-        sorted_logits.masked_fill(sorted_logits < k_threshold, float("-inf")), dim=-1
-    )  # [R, V]
+    if not use_p:
+        return k_threshold
+
+    # Probabilities after top-k; the normalizer spans the whole row, so a head and a full sort
+    # give the same numbers.
+    log_norm = torch.logsumexp(logits.masked_fill(logits < k_threshold, float("-inf")), dim=-1)
+    head_probs = (head - log_norm.unsqueeze(1)).exp().masked_fill(head < k_threshold, 0.0)
     # Mass strictly before each token; keep a token while that mass is still < top_p. A cumsum of
     # non-negative numbers is monotone, so the kept tokens form a prefix of the sorted row.
-    cumulative = sorted_probs.cumsum(dim=-1)  # [R, V]
+    cumulative = head_probs.cumsum(dim=-1)  # [R, width]
     mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
-    num_keep = (mass_before < top_p.to(torch.float32).unsqueeze(1)).sum(dim=-1, keepdim=True)
-    p_cut = sorted_logits.gather(1, (num_keep.clamp(min=1) - 1))  # [R, 1]
+    num_keep = (mass_before < top_p.float().unsqueeze(1)).sum(dim=-1, keepdim=True)  # [R, 1]
     p_on = (top_p < 1).unsqueeze(1)  # [R, 1]
-    p_threshold = torch.where(p_on, p_cut, neg_inf)
-    threshold = torch.maximum(k_threshold, p_threshold)  # [R, 1]
-    return logits.masked_fill(logits < threshold, float("-inf"))
+    if width < vocab and bool((p_on & (num_keep == width)).any()):
+        return None
+    p_cut = head.gather(1, num_keep.clamp(min=1) - 1)  # [R, 1]
+    return torch.maximum(k_threshold, torch.where(p_on, p_cut, neg_inf))
 
 
 def _check_rows(logits: torch.Tensor, **per_row: torch.Tensor) -> None:

@@ -1,0 +1,113 @@
+"""The `specdec` command line: `generate`, `serve`, `eval`, `bench`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from specdec.config import EngineConfig
+from specdec.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags that shape the engine; shared by every subcommand that builds one."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--target", default="default-target",
+                   help="target model: HF folder, .gguf file, hub id (default: Qwen2.5-Coder-1.5B-Instruct)")
+    g.add_argument("--draft", default="default-draft",
+                   help="draft model, same forms (default: Qwen2.5-Coder-0.5B-Instruct)")
+    g.add_argument("--proposer", choices=["draft", "ngram"], default="draft",
+                   help="draft model, or n-gram prompt lookup (no model)")
+    g.add_argument("--no-speculation", action="store_true", help="plain target-only decoding")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=float, default=2.0, metavar="GIB",
+                   help="KV cache budget for both models together, in GiB")
+    g.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
+                   help="KV cache dtype: the model's, or fp8 (e4m3)")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        target=args.target,
+        draft=args.draft,
+        proposer="none" if args.no_speculation else args.proposer,
+        num_speculative_tokens=args.num_speculative_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        kv_dtype=args.kv_dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        max_tokens=args.max_tokens, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from specdec.api import generate_cmd
+
+    parser = argparse.ArgumentParser(
+        prog="specdec", description="Speculative-decoding LLM inference engine."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate_cmd.register(sub)
+    for module in _optional_commands():
+        module.register(sub)
+    return parser
+
+
+def _optional_commands() -> list:
+    """Subcommands living in other modules (serve, eval, bench), when present."""
+    import importlib
+
+    modules = []
+    for name in ("specdec.api.serve_cmd", "specdec.eval.cli"):
+        try:
+            modules.append(importlib.import_module(name))
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+    return modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specdec.target.default_pair import ModelsNotInstalledError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ModelsNotInstalledError as exc:
+        print(f"specdec: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nspecdec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

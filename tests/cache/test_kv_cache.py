@@ -1,0 +1,89 @@
+"""KVCacheSpec / PagedKVCache sizing and views; write_kv scatter, including fp8 with scales."""
+
+import pytest
+import torch
+
+from specdec.cache import KVCacheSpec, PagedKVCache, write_kv
+
+FP8 = torch.float8_e4m3fn
+
+
+def _spec(dtype=torch.bfloat16, **kw):
+    args = dict(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+    args.update(kw)
+    return KVCacheSpec(**args)
+
+
+def test_bytes_per_block_counts_layers_keys_values():
+    assert _spec().bytes_per_block() == 3 * 2 * 4 * 2 * 8 * 2
+    assert _spec(dtype=FP8).bytes_per_block() * 2 == _spec().bytes_per_block()
+
+
+def test_from_memory_budget_fits_the_budget():
+    spec = _spec()
+    cache = PagedKVCache.from_memory_budget(spec, 10 * spec.bytes_per_block() + 7)
+    assert cache.num_blocks == 10
+    assert cache.kv.shape == (3, 2, 10, 4, 2, 8) and cache.kv.dtype == torch.bfloat16
+    assert cache.nbytes() <= 10 * spec.bytes_per_block() + 7
+
+
+def test_budget_below_one_block_is_a_clear_error():
+    spec = _spec()
+    with pytest.raises(ValueError, match="below one block"):
+        PagedKVCache.from_memory_budget(spec, spec.bytes_per_block() - 1)
+
+
+def test_bad_spec_and_scale_raise_value_error():
+    with pytest.raises(ValueError, match="block_size"):
+        _spec(block_size=0)
+    with pytest.raises(ValueError, match="floating"):
+        _spec(dtype=torch.int8)
+    with pytest.raises(ValueError, match="kv_scale"):
+        PagedKVCache(_spec(), 2, kv_scale=0.0)
+
+
+def test_layer_views_share_storage():
+    cache = PagedKVCache(_spec(dtype=torch.float32), num_blocks=2)
+    k_cache, v_cache = cache.layer(1)
+    assert k_cache.shape == (2, 4, 2, 8)
+    k_cache.fill_(1.0)
+    v_cache.fill_(2.0)
+    assert cache.kv[1, 0].eq(1).all() and cache.kv[1, 1].eq(2).all() and cache.kv[0].eq(0).all()
+    with pytest.raises(ValueError, match="layer 3"):
+        cache.layer(3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_scatters_to_slots(dtype):
+    cache = PagedKVCache(_spec(dtype=dtype, num_layers=1), num_blocks=3)
+    k_cache, v_cache = cache.layer(0)
+    key, value = torch.randn(2, 5, 2, 8)  # [T, Hkv, D] each
+    slots = torch.tensor([11, 0, 4, 5, 7])
+    write_kv(key, value, k_cache, v_cache, slots)
+    flat_k = k_cache.reshape(12, 2, 8)
+    flat_v = v_cache.reshape(12, 2, 8)
+    torch.testing.assert_close(flat_k[slots], key.to(dtype))
+    torch.testing.assert_close(flat_v[slots], value.to(dtype))
+    untouched = [s for s in range(12) if s not in slots.tolist()]
+    assert flat_k[untouched].eq(0).all()
+
+
+def test_write_kv_fp8_stores_value_over_scale():
+    cache = PagedKVCache(_spec(dtype=FP8, num_layers=1), num_blocks=2, kv_scale=0.25)
+    k_cache, v_cache = cache.layer(0)
+    key = torch.tensor([0.5, -1.0, 2.0, 100.0]).repeat(2, 2, 2)  # [T=2, Hkv=2, D=8]
+    value = torch.full((2, 2, 8), 0.75)
+    write_kv(key, value, k_cache, v_cache, torch.tensor([1, 6]), cache.k_scale, cache.v_scale)
+    stored_k = k_cache.reshape(8, 2, 8)[[1, 6]]
+    assert stored_k.dtype == FP8
+    # 100 / 0.25 = 400 fits e4m3 up to rounding; read back = stored * scale
+    torch.testing.assert_close(stored_k.float() * 0.25, key, rtol=0.07, atol=0)
+    torch.testing.assert_close(v_cache.reshape(8, 2, 8)[[1, 6]].float(), value / 0.25)
+
+
+def test_write_kv_fp8_saturates_instead_of_nan():
+    cache = PagedKVCache(_spec(dtype=FP8, num_layers=1), num_blocks=1)
+    k_cache, v_cache = cache.layer(0)
+    big = torch.full((1, 2, 8), 1e6)
+    write_kv(big, -big, k_cache, v_cache, torch.tensor([0]))
+    assert k_cache[0, 0].float().eq(448).all() and v_cache[0, 0].float().eq(-448).all()

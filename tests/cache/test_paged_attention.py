@@ -1,0 +1,179 @@
+"""Paged attention (torch reference and Triton kernel) against dense causal attention.
+
+Each case is one varlen batch mixing a prefill window (query_len == seq_len), a decode window
+(1 token) and verify windows (5 and 9 tokens) over a cached prefix. The prefix and the window
+are written in two steps, as the engine does, into blocks interleaved across sequences; unused
+slots hold large garbage that masking must hide.
+"""
+
+import os
+
+import pytest
+import torch
+
+from specdec.cache import (
+    BlockPool,
+    BlockTable,
+    KVCacheSpec,
+    PagedKVCache,
+    build_attention_metadata,
+    paged_attention,
+    paged_attention_ref,
+    triton_available,
+    write_kv,
+)
+
+FP8 = torch.float8_e4m3fn
+HEAD_DIM = 32
+NUM_KV_HEADS = 2
+WINDOWS = [(37, 37), (50, 1), (150, 5), (29, 9)]  # (seq_len, query_len)
+
+
+def build_case(block_size, group, dtype, kv_dtype=None, kv_scale=1.0, windows=WINDOWS, seed=0):
+    """Returns (query [T, Hq, D], cache, meta, per-sequence (q, k, v) for the dense reference)."""
+    g = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
+    num_q_heads = NUM_KV_HEADS * group
+    max_blocks = max(s for s, _ in windows) // block_size + 1
+    pool = BlockPool(len(windows) * max_blocks + 3)
+    pool.allocate(3)  # tables start past block 0, the padding entry of block_tables
+    tables = [BlockTable(pool, block_size) for _ in windows]
+    for n in range(1, max_blocks + 1):  # interleave blocks across sequences
+        for table, (seq_len, _) in zip(tables, windows):
+            table.ensure_slots(min(n * block_size, seq_len))
+
+    spec = KVCacheSpec(1, NUM_KV_HEADS, HEAD_DIM, block_size, kv_dtype)
+    cache = PagedKVCache(spec, pool.num_blocks, kv_scale=kv_scale)
+    cache.kv.copy_((torch.randn(cache.kv.shape, generator=g) * 30).to(kv_dtype))  # garbage
+    k_cache, v_cache = cache.layer(0)
+    keys = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype) for s, _ in windows]
+    values = [torch.randn(s, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype) for s, _ in windows]
+    prefixes = [s - q for s, q in windows]
+    for starts, ends in [([0] * len(windows), prefixes), (prefixes, [s for s, _ in windows])]:
+        meta = build_attention_metadata(tables, starts, ends, "cpu")
+        new_k = torch.cat([k[a:b] for k, a, b in zip(keys, starts, ends)])  # [T, Hkv, D]
+        new_v = torch.cat([v[a:b] for v, a, b in zip(values, starts, ends)])
+        write_kv(new_k, new_v, k_cache, v_cache, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    queries = [torch.randn(q, num_q_heads, HEAD_DIM, generator=g).to(dtype) for _, q in windows]
+    return torch.cat(queries), cache, meta, list(zip(queries, keys, values))
+
+
+def dense_causal_attention(q, k, v, scale):
+    """Plain attention of q [Q, Hq, D] over contiguous k, v [L, Hkv, D]; queries are the last Q."""
+    num_queries, num_q_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_q_heads // num_kv_heads
+    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Q, L]
+    query_pos = torch.arange(seq_len - num_queries, seq_len)
+    visible = torch.arange(seq_len)[None, :] <= query_pos[:, None]  # [Q, L]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)  # [Q, Hq, D]
+
+
+def expected_output(per_seq, scale, kv_transform=lambda x: x):
+    outs = [dense_causal_attention(q, kv_transform(k), kv_transform(v), scale) for q, k, v in per_seq]
+    return torch.cat(outs)
+
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+GRID = pytest.mark.parametrize(
+    "block_size,group,dtype",
+    [(s, g, d) for s in (1, 4, 16) for g in (1, 2, 4) for d in (torch.float32, torch.bfloat16)],
+)
+
+
+def _fp8_roundtrip(x, scale):
+    return ((x.float() / scale).to(FP8).float() * scale)
+
+
+@GRID
+def test_reference_matches_dense(block_size, group, dtype):
+    query, cache, meta, per_seq = build_case(block_size, group, dtype)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention_ref(query, *cache.layer(0), meta, scale, cache.k_scale, cache.v_scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size,group", [(1, 1), (4, 2), (16, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_with_fp8_kv(block_size, group, dtype):
+    kv_scale = 0.5
+    query, cache, meta, per_seq = build_case(block_size, group, dtype, FP8, kv_scale)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention_ref(query, *cache.layer(0), meta, scale, cache.k_scale, cache.v_scale)
+    assert out.dtype == dtype
+    # e4m3 keeps 3 mantissa bits: compare loosely with the exact values ...
+    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), atol=0.15, rtol=0.1)
+    # ... and tightly with the values as fp8 stores them (stored = x / scale, read = stored * scale)
+    exact = expected_output(per_seq, scale, lambda x: _fp8_roundtrip(x, kv_scale))
+    torch.testing.assert_close(out.double(), exact, **TOL[dtype])
+
+
+def test_reference_handles_empty_windows_and_uniform_batches():
+    scale = HEAD_DIM**-0.5
+    for windows in ([(12, 3), (7, 0), (20, 3)], [(9, 4), (30, 4)]):
+        query, cache, meta, per_seq = build_case(4, 2, torch.float32, windows=windows)
+        out = paged_attention_ref(query, *cache.layer(0), meta, scale)
+        torch.testing.assert_close(out.double(), expected_output(per_seq, scale), atol=2e-5, rtol=1e-4)
+
+
+def test_paged_attention_dispatches_to_reference_on_cpu():
+    query, cache, meta, _ = build_case(4, 2, torch.float32)
+    args = (query, *cache.layer(0), meta, 0.2)
+    torch.testing.assert_close(paged_attention(*args), paged_attention_ref(*args), atol=0, rtol=0)
+
+
+def test_gqa_head_mismatch_is_a_value_error():
+    query, cache, meta, _ = build_case(4, 1, torch.float32)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_attention_ref(query[:, :1].expand(-1, 3, -1), *cache.layer(0), meta, 0.2)
+
+
+needs_triton = pytest.mark.skipif(
+    not triton_available()
+    or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="triton is not installed (pip install 'specdec[triton]'), or neither CUDA nor "
+    "TRITON_INTERPRET=1 is available",
+)
+
+
+def _on_device(query, cache, meta):
+    if not torch.cuda.is_available():
+        return query, cache.layer(0), meta
+    from dataclasses import replace
+
+    tensors = ("slot_mapping", "block_tables", "seq_lens", "query_start_loc")
+    meta = replace(meta, **{f: getattr(meta, f).cuda() for f in tensors})
+    return query.cuda(), tuple(c.cuda() for c in cache.layer(0)), meta
+
+
+@needs_triton
+@GRID
+def test_triton_matches_reference(block_size, group, dtype):
+    from specdec.cache import paged_attention_triton
+
+    query, cache, meta, per_seq = build_case(block_size, group, dtype)
+    scale = HEAD_DIM**-0.5
+    ref = paged_attention_ref(query, *cache.layer(0), meta, scale)
+    query, (k_cache, v_cache), meta = _on_device(query, cache, meta)
+    out = paged_attention_triton(query, k_cache, v_cache, meta, scale).cpu()
+    assert out.dtype == dtype
+    tol = TOL[dtype] if query.is_cpu else dict(atol=2e-2, rtol=2e-2)  # tf32 dots on GPU
+    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **tol)
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_with_fp8_kv(dtype):
+    from specdec.cache import paged_attention_triton
+
+    kv_scale = 0.5
+    query, cache, meta, per_seq = build_case(4, 2, dtype, FP8, kv_scale)
+    scale = HEAD_DIM**-0.5
+    query, (k_cache, v_cache), meta = _on_device(query, cache, meta)
+    out = paged_attention_triton(query, k_cache, v_cache, meta, scale, kv_scale, kv_scale).cpu()
+    exact = expected_output(per_seq, scale, lambda x: _fp8_roundtrip(x, kv_scale))
+    torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=2e-2)
