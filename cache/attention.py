@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from .kv_cache import FP8_DTYPES
 from .metadata import AttentionMetadata
+from .triton_attention import paged_attention_triton, triton_available
 
 
 def write_kv(
@@ -52,14 +53,17 @@ def paged_attention(
     Query ``i`` of sequence ``b`` sits at position ``seq_len_b - query_len_b + i`` and attends to
     keys ``0..`` that position (causal within the window, full over the cached prefix).
     """
-    if query.is_cuda:
-        from .triton_attention import triton_available
-
-        if triton_available():
-            from .triton_attention import paged_attention_triton
-
-            return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    if query.is_cuda and triton_available():
+        return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
     return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+
+# Gathered K (or V) per chunk of sequences stays below glibc's largest mmap threshold (32 MiB):
+# bigger buffers are fresh mmaps that page-fault on every call (measured 6x slower gathers).
+_GATHER_BYTES = 16 << 20
+# Up to this many query tokens per sequence, the G query heads sharing a KV head are folded into
+# the query axis (2x faster than enable_gqa for decode/verify on CPU); longer windows use GQA.
+_FOLD_MAX_QUERY_LEN = 32
 
 
 def paged_attention_ref(
@@ -71,51 +75,100 @@ def paged_attention_ref(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Torch reference of ``paged_attention``: one padded, batched SDPA call.
+    """Torch reference of ``paged_attention``: padded, batched SDPA over gathered blocks.
 
-    Gathers each sequence's blocks into ``[B, max_kv, Hkv, D]``, pads the queries to
-    ``[B, max_q, Hq, D]`` and masks key ``j`` for query ``i`` unless
-    ``j <= seq_len - query_len + i``. GQA folds the ``G = Hq // Hkv`` query heads that share a
-    KV head into the query axis, so keys and values are never repeated. Uses only the host copies
-    of the lengths: no device sync. Computes in the query dtype.
+    Each sequence's blocks are gathered into ``[B, max_kv, Hkv, D]``, the queries padded to
+    ``[B, max_q, Hq, D]``, and key ``j`` is masked for query ``i`` unless
+    ``j <= seq_len - query_len + i``. One SDPA call per chunk of sequences (a single chunk unless
+    the gathered KV would pass ``_GATHER_BYTES``). Reads only the host copies of the lengths, so
+    it never syncs with the device. Computes in the query dtype.
+
+    Example: seq_len 7, query_len 3 -> queries sit at positions 4, 5, 6 and see keys 0..4,
+    0..5 and 0..6.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     _check_heads(num_q_heads, num_kv_heads)
-    group = num_q_heads // num_kv_heads
-    seq_lens, query_lens = meta.seq_lens_cpu, meta.query_lens_cpu
-    batch, max_q, max_kv = len(seq_lens), meta.max_query_len, meta.max_seq_len
-    if num_tokens == 0:
+    bytes_per_seq = max(1, meta.max_seq_len * num_kv_heads * head_dim * query.element_size())
+    seqs_per_chunk = max(1, _GATHER_BYTES // bytes_per_seq)
+    outs, row = [], 0
+    for b0 in range(0, meta.num_seqs, seqs_per_chunk):
+        seq_lens = meta.seq_lens_cpu[b0 : b0 + seqs_per_chunk]
+        query_lens = meta.query_lens_cpu[b0 : b0 + seqs_per_chunk]
+        n = sum(query_lens)
+        if n == 0:
+            continue
+        tables = meta.block_tables[b0 : b0 + seqs_per_chunk]  # [b, max_blocks]
+        keys = _gather_kv(k_cache, tables, max(seq_lens), k_scale, query.dtype)  # [b, Hkv, L, D]
+        values = _gather_kv(v_cache, tables, max(seq_lens), v_scale, query.dtype)
+        outs.append(_attend(query[row : row + n], keys, values, seq_lens, query_lens, scale))
+        row += n
+    assert row == num_tokens, "query rows do not match the metadata's query lengths"
+    if not outs:
         return query.new_empty(0, num_q_heads, head_dim)
-    keys = _gather_kv(k_cache, meta.block_tables, max_kv, k_scale, query.dtype)  # [B, Hkv, max_kv, D]
-    values = _gather_kv(v_cache, meta.block_tables, max_kv, v_scale, query.dtype)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+
+def _attend(
+    query: torch.Tensor,  # [t, Hq, D]
+    keys: torch.Tensor,  # [b, Hkv, max_kv, D]
+    values: torch.Tensor,  # [b, Hkv, max_kv, D]
+    seq_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+) -> torch.Tensor:  # [t, Hq, D]
+    """One padded SDPA call for a chunk of sequences whose KV is already gathered."""
+    _, num_q_heads, head_dim = query.shape
+    batch, max_q, max_kv = len(seq_lens), max(query_lens), keys.shape[2]
     uniform = all(q == max_q for q in query_lens)
     if uniform:
         padded = query.view(batch, max_q, num_q_heads, head_dim)
     else:
-        rows = _padded_rows(query_lens, max_q, query.device)  # [T]
-        padded = query.new_zeros(batch * max_q, num_q_heads, head_dim)
-        padded.index_copy_(0, rows, query)
-        padded = padded.view(batch, max_q, num_q_heads, head_dim)
-    # [B, max_q, Hkv, G, D] -> [B, Hkv, G * max_q, D]: row r is query r % max_q of head r // max_q
+        rows = _padded_rows(query_lens, max_q, query.device)  # [t]
+        padded = query.new_zeros(batch * max_q, num_q_heads, head_dim).index_copy_(0, rows, query)
+        padded = padded.view(batch, max_q, num_q_heads, head_dim)  # [b, max_q, Hq, D]
+
+    if max_q <= _FOLD_MAX_QUERY_LEN:
+        out = _sdpa_folded(padded, keys, values, seq_lens, query_lens, scale)
+    else:
+        q = padded.transpose(1, 2)  # [b, Hq, max_q, D]
+        if uniform and max_q == max_kv:  # every window is a whole prompt: plain causal
+            mask, causal = None, True
+        else:
+            mask, causal = _causal_window_mask(seq_lens, query_lens, max_q, max_kv, q.device), False
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        ).transpose(1, 2)  # [b, max_q, Hq, D]
+    out = out.reshape(batch * max_q, num_q_heads, head_dim)
+    return out if uniform else out.index_select(0, rows)
+
+
+def _sdpa_folded(
+    padded: torch.Tensor,  # [b, max_q, Hq, D]
+    keys: torch.Tensor,  # [b, Hkv, max_kv, D]
+    values: torch.Tensor,  # [b, Hkv, max_kv, D]
+    seq_lens: list[int],
+    query_lens: list[int],
+    scale: float,
+) -> torch.Tensor:  # [b, max_q, Hq, D]
+    """SDPA with the G query heads of each KV head folded into the query axis (no KV repeat)."""
+    batch, max_q, num_q_heads, head_dim = padded.shape
+    num_kv_heads = keys.shape[1]
+    group = num_q_heads // num_kv_heads
+    # row g * max_q + i of KV head h is query i of head h * G + g
     q = padded.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, num_kv_heads, group * max_q, head_dim)
-
-    mask = _causal_window_mask(seq_lens, query_lens, max_q, max_kv, query.device)  # [B, 1, max_q, max_kv]
-    mask = mask.repeat(1, 1, group, 1)  # [B, 1, G * max_q, max_kv]
+    mask = _causal_window_mask(seq_lens, query_lens, max_q, keys.shape[2], q.device, group)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    # [B, Hkv, G * max_q, D] -> [B, max_q, Hq, D]
     out = out.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    out = out.reshape(batch * max_q, num_q_heads, head_dim)
-    if uniform:
-        return out
-    return out.index_select(0, rows)  # [T, Hq, D]
+    return out.reshape(batch, max_q, num_q_heads, head_dim)
 
 
 def _check_heads(num_q_heads: int, num_kv_heads: int) -> None:
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+        raise ValueError(
+            f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})"
+        )
 
 
 def _gather_kv(
@@ -128,13 +181,14 @@ def _gather_kv(
     """Each sequence's blocks laid out contiguously, dequantized to ``dtype``."""
     _, block_size, num_heads, head_dim = cache.shape
     num_blocks = -(-max_kv // block_size)
-    table = block_tables[:, :num_blocks].long()  # [B, nb]
+    table = block_tables[:, :num_blocks]  # [B, nb]
     batch = table.shape[0]
-    kv = cache[table].view(batch, num_blocks * block_size, num_heads, head_dim)[:, :max_kv]
+    kv = cache.index_select(0, table.reshape(-1))  # [B * nb, S, Hkv, D], a fresh copy
+    kv = kv.view(batch, num_blocks * block_size, num_heads, head_dim)[:, :max_kv]
     if kv.dtype != dtype:
         kv = kv.to(dtype)
     if kv_scale != 1.0:
-        kv = kv * kv_scale
+        kv.mul_(kv_scale)
     return kv.transpose(1, 2)
 
 
@@ -145,13 +199,20 @@ def _padded_rows(query_lens: list[int], max_q: int, device: torch.device) -> tor
 
 
 def _causal_window_mask(
-    seq_lens: list[int], query_lens: list[int], max_q: int, max_kv: int, device: torch.device
-) -> torch.Tensor:  # [B, 1, max_q, max_kv] bool
+    seq_lens: list[int],
+    query_lens: list[int],
+    max_q: int,
+    max_kv: int,
+    device: torch.device,
+    group: int = 1,
+) -> torch.Tensor:  # [B, 1, group * max_q, max_kv] bool
     """Key ``j`` visible to query ``i`` iff ``j <= seq_len - query_len + i``.
 
-    Padded query rows (``i >= query_len``) still see key 0, so no row is fully masked.
+    Row ``r`` is query ``r % max_q`` (rows repeat ``group`` times for folded GQA heads). Padded
+    query rows (``i >= query_len``) still see key 0, so no row is fully masked.
     """
     offsets = torch.tensor([s - q for s, q in zip(seq_lens, query_lens)], device=device)  # [B]
-    last_visible = offsets[:, None] + torch.arange(max_q, device=device)  # [B, max_q]
+    query_idx = torch.arange(group * max_q, device=device) % max_q  # [G * max_q]
+    last_visible = offsets[:, None] + query_idx  # [B, G * max_q]
     keys = torch.arange(max_kv, device=device)  # [max_kv]
     return (keys[None, None, :] <= last_visible[:, :, None]).unsqueeze(1)

@@ -60,3 +60,69 @@ def tiny_pair(arch: str = "llama", seed: int = 0, **overrides):
     target = from_hf(tiny_hf_model(arch, seed, **overrides))
     draft = from_hf(tiny_hf_model(arch, seed + 1, num_hidden_layers=1, **overrides))
     return target, draft
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_CORPUS = [
+    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
+    "The quick brown fox jumps over the lazy dog. Ünïcödé — ☃ 日本語 🙂",
+    "Speculative decoding: a draft proposes, the target verifies.",
+    "for i in range(10):\n    print(i * i)\n",
+]
+
+
+def tiny_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained here on a few lines, with a ChatML template and specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=specials[1:],
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def tiny_engine_parts(seed: int = 0):
+    """(target, draft, tokenizer): a tiny random pair whose vocabulary is the tiny tokenizer's."""
+    tokenizer = tiny_tokenizer()
+    vocab = len(tokenizer)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    target, draft = tiny_pair("qwen2", seed, vocab_size=vocab, eos_token_id=eos, bos_token_id=None)
+    return target, draft, tokenizer
+
+
+def write_tiny_pair(root, seed: int = 0):
+    """Save a tiny random (target, draft) pair as HF folders with the tiny tokenizer; returns paths.
+
+    The CLI, server and eval smoke tests run `--target <dir> --draft <dir>` on these.
+    """
+    from pathlib import Path
+
+    root = Path(root)
+    tokenizer = tiny_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    paths = []
+    for name, layers, s in (("target", 2, seed), ("draft", 1, seed + 1)):
+        model = tiny_hf_model(
+            "qwen2", s, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None,
+            num_hidden_layers=layers,
+        )
+        out = root / name
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        paths.append(out)
+    return paths[0], paths[1]

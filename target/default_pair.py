@@ -195,15 +195,22 @@ def _write_marker(out: Path, packed: PackedModel) -> None:
     os.replace(tmp, _marker_path(out))
 
 
-def _marker_ok(out: Path, packed: PackedModel) -> bool:
-    """True when `out` exists and the marker vouches for it (same sha256, size and mtime)."""
+def verified_sha256(path: Path) -> str | None:
+    """The sha256 of an assembled GGUF, from its marker, if the file is unchanged since; else None.
+
+    Reads only the small marker and the file's stat, so a caller can key caches on content cheaply.
+    """
     try:
-        marker = json.loads(_marker_path(out).read_text())
-        st = out.stat()
+        marker = json.loads(_marker_path(path).read_text())
+        st = path.stat()
     except (OSError, ValueError):
-        return False
-    return (
-        marker.get("sha256") == packed.sha256
-        and marker.get("size") == st.st_size == packed.size
-        and marker.get("mtime_ns") == st.st_mtime_ns
-    )
+        return None
+    if marker.get("size") != st.st_size or marker.get("mtime_ns") != st.st_mtime_ns:
+        return None
+    sha = marker.get("sha256")
+    return sha if isinstance(sha, str) else None
+
+
+def _marker_ok(out: Path, packed: PackedModel) -> bool:
+    """True when `out` exists and its marker vouches for the expected content."""
+    return verified_sha256(out) == packed.sha256 and out.stat().st_size == packed.size

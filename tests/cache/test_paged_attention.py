@@ -26,7 +26,10 @@ from specdec.cache import (
 FP8 = torch.float8_e4m3fn
 HEAD_DIM = 32
 NUM_KV_HEADS = 2
-WINDOWS = [(37, 37), (50, 1), (150, 5), (29, 9)]  # (seq_len, query_len)
+# (seq_len, query_len) per sequence
+MIXED = [(37, 37), (50, 1), (150, 5), (29, 9)]  # a long prefill window: masked GQA SDPA path
+DECODE = [(50, 1), (150, 5), (29, 9), (16, 16)]  # short windows only: folded-heads path
+WINDOWS = MIXED
 
 
 def build_case(block_size, group, dtype, kv_dtype=None, kv_scale=1.0, windows=WINDOWS, seed=0):
@@ -79,7 +82,12 @@ def expected_output(per_seq, scale, kv_transform=lambda x: x):
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 GRID = pytest.mark.parametrize(
     "block_size,group,dtype",
-    [(s, g, d) for s in (1, 4, 16) for g in (1, 2, 4) for d in (torch.float32, torch.bfloat16)],
+    [
+        pytest.param(s, g, d, id=f"S{s}-G{g}-{str(d).removeprefix('torch.')}")
+        for s in (1, 4, 16)
+        for g in (1, 2, 4)
+        for d in (torch.float32, torch.bfloat16)
+    ],
 )
 
 
@@ -88,8 +96,9 @@ def _fp8_roundtrip(x, scale):
 
 
 @GRID
-def test_reference_matches_dense(block_size, group, dtype):
-    query, cache, meta, per_seq = build_case(block_size, group, dtype)
+@pytest.mark.parametrize("windows", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_reference_matches_dense(block_size, group, dtype, windows):
+    query, cache, meta, per_seq = build_case(block_size, group, dtype, windows=windows)
     scale = HEAD_DIM**-0.5
     out = paged_attention_ref(query, *cache.layer(0), meta, scale, cache.k_scale, cache.v_scale)
     assert out.dtype == dtype and out.shape == query.shape
@@ -117,6 +126,26 @@ def test_reference_handles_empty_windows_and_uniform_batches():
         query, cache, meta, per_seq = build_case(4, 2, torch.float32, windows=windows)
         out = paged_attention_ref(query, *cache.layer(0), meta, scale)
         torch.testing.assert_close(out.double(), expected_output(per_seq, scale), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("windows", [[(45, 45)], [(40, 40), (40, 40)], [(60, 40), (45, 45)]])
+def test_reference_long_windows(windows, group):
+    query, cache, meta, per_seq = build_case(4, group, torch.float32, windows=windows)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention_ref(query, *cache.layer(0), meta, scale)
+    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **TOL[torch.float32])
+
+
+def test_reference_splits_large_batches_into_chunks(monkeypatch):
+    import specdec.cache.attention as attention
+
+    monkeypatch.setattr(attention, "_GATHER_BYTES", 1)  # one sequence per SDPA call
+    windows = [(12, 3), (7, 0), (40, 40), (20, 1)]
+    query, cache, meta, per_seq = build_case(4, 2, torch.float32, windows=windows)
+    scale = HEAD_DIM**-0.5
+    out = paged_attention_ref(query, *cache.layer(0), meta, scale)
+    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **TOL[torch.float32])
 
 
 def test_paged_attention_dispatches_to_reference_on_cpu():
@@ -151,10 +180,11 @@ def _on_device(query, cache, meta):
 
 @needs_triton
 @GRID
-def test_triton_matches_reference(block_size, group, dtype):
+@pytest.mark.parametrize("windows", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_triton_matches_reference(block_size, group, dtype, windows):
     from specdec.cache import paged_attention_triton
 
-    query, cache, meta, per_seq = build_case(block_size, group, dtype)
+    query, cache, meta, per_seq = build_case(block_size, group, dtype, windows=windows)
     scale = HEAD_DIM**-0.5
     ref = paged_attention_ref(query, *cache.layer(0), meta, scale)
     query, (k_cache, v_cache), meta = _on_device(query, cache, meta)

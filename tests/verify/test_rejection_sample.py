@@ -88,9 +88,9 @@ def _embed(small: tuple, big: tuple, row: int) -> tuple:
 def test_seeded_row_is_the_same_alone_and_in_any_batch() -> None:
     gen = torch.Generator().manual_seed(0)
     steps = [_random_step_inputs(gen, [n], k=n) for n in (2, 3, 0, 2, 1)]  # one row, k = n
-    others = [(_random_step_inputs(gen, [4, 1, 0, 3], k=4)) for _ in steps]
+    others = [_random_step_inputs(gen, [4, 1, 0, 3], k=4) for _ in steps]
 
-    def run(batch_of: callable, gens: list, row: int) -> list[list[int]]:
+    def run(batch_of, gens: list, row: int) -> list[list[int]]:
         emitted = []
         for step, other in zip(steps, others):
             inputs = batch_of(step, other)
@@ -99,8 +99,8 @@ def test_seeded_row_is_the_same_alone_and_in_any_batch() -> None:
         return emitted
 
     alone = run(lambda step, other: step, [torch.Generator().manual_seed(42)], 0)
-    mixed = run(lambda step, other: _embed(step, other, 2),
-                [torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(42), None], 2)
+    seeded = [torch.Generator().manual_seed(1), None, torch.Generator().manual_seed(42), None]
+    mixed = run(lambda step, other: _embed(step, other, 2), seeded, 2)
     unseeded = run(lambda step, other: _embed(step, other, 0),
                    [torch.Generator().manual_seed(42), None, None, None], 0)
     assert alone == mixed == unseeded

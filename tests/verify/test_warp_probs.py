@@ -47,7 +47,8 @@ def test_temperature_scales_logits(temperature: float, expected: list[float]) ->
     ],
 )
 def test_top_k_keeps_the_k_largest(values: list[float], top_k: int, expected: list[float]) -> None:
-    torch.testing.assert_close(_warp(_log(values), 1.0, top_k=top_k), torch.tensor([expected], dtype=torch.float32))
+    probs = _warp(_log(values), 1.0, top_k=top_k)
+    torch.testing.assert_close(probs, torch.tensor([expected], dtype=torch.float32))
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,8 @@ def test_top_k_keeps_the_k_largest(values: list[float], top_k: int, expected: li
     ],
 )
 def test_top_p_keeps_the_smallest_nucleus(top_p: float, expected: list[float]) -> None:
-    torch.testing.assert_close(_warp(_log([1, 2, 3, 4]), 1.0, top_p=top_p), torch.tensor([expected], dtype=torch.float32))
+    probs = _warp(_log([1, 2, 3, 4]), 1.0, top_p=top_p)
+    torch.testing.assert_close(probs, torch.tensor([expected], dtype=torch.float32))
 
 
 def test_top_k_applies_before_top_p() -> None:
@@ -150,3 +152,38 @@ def test_sample_seeded_row_ignores_the_rest_of_the_batch() -> None:
                                 torch.Generator().manual_seed(3)], 1)
     assert alone == together == other
     assert len(set(alone)) > 1  # the generator advances between calls
+
+
+def _reference_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """Direct float64 transcription of the definition, one row at a time."""
+    vocab = logits.numel()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(), vocab).double()
+    x = logits.double() / temperature
+    if 0 < top_k < vocab:
+        x[x < x.sort(descending=True).values[top_k - 1]] = float("-inf")
+    if top_p < 1:
+        probs, order = torch.softmax(x, dim=0).sort(descending=True)
+        mass_before = probs.cumsum(0) - probs
+        num_keep = max(1, int((mass_before < top_p).sum()))
+        x[x < x[order[num_keep - 1]]] = float("-inf")
+    return torch.softmax(x, dim=0)
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_large_vocab_matches_the_definition_for_narrow_and_wide_nuclei(vocab: int) -> None:
+    # Peaked rows have small nuclei (found among the best candidates); flat rows at top-p 0.95
+    # need more than 1024 tokens, which forces the full sort on the CPU.
+    gen = torch.Generator().manual_seed(vocab)
+    scale = torch.tensor([8.0, 8.0, 0.3, 0.3, 2.0, 0.3, 5.0]).unsqueeze(1)
+    logits = torch.randn(7, vocab, generator=gen) * scale  # [R, V]
+    temperature = torch.tensor([1.0, 0.6, 1.0, 1.2, 0.0, 0.8, 1.0])
+    top_k = torch.tensor([0, 20, 0, 0, 5, 2000, 40])
+    top_p = torch.tensor([0.9, 0.8, 0.95, 1.0, 0.5, 0.9, 1.0])
+    for rows in ([0, 1, 4, 6], list(range(7))):  # without and with a wide nucleus in the batch
+        probs = warp_probs(logits[rows], temperature[rows], top_k[rows], top_p[rows])
+        for i, row in enumerate(rows):
+            expected = _reference_row(logits[row], temperature[row].item(), int(top_k[row]),
+                                      top_p[row].item()).float()
+            assert torch.equal(probs[i] > 0, expected > 0), f"row {row}: support differs"
+            torch.testing.assert_close(probs[i], expected, atol=1e-6, rtol=1e-4)
