@@ -34,7 +34,7 @@ class BlockTable:
         return len(self.block_ids) * self.block_size
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Extra blocks this table must allocate to hold ``num_tokens`` tokens (0 if it already can)."""
+        """Extra blocks needed to hold ``num_tokens`` tokens (0 if the table already can)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return max(0, -(-num_tokens // self.block_size) - len(self.block_ids))

@@ -13,7 +13,10 @@ _MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
 
 def triton_available() -> bool:
     """True when triton can be imported (without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules["triton"] is None (blocked)
+        return False
 
 
 def paged_attention_triton(
@@ -38,7 +41,9 @@ def paged_attention_triton(
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, cache_head_dim = k_cache.shape[2], k_cache.shape[3]
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+        raise ValueError(
+            f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})"
+        )
     if head_dim != cache_head_dim:
         raise ValueError(f"query head dim {head_dim} != cache head dim {cache_head_dim}")
     out = torch.empty_like(query)

@@ -154,7 +154,7 @@ class Engine:
         rows = sampling.repeat(counts)
         target_probs = _pad_rows(warp_probs(logits, rows.temperature, rows.top_k, rows.top_p), counts)
         out = rejection_sample(
-            draft_ids, torch.tensor(num_draft, device=self.device), draft_probs, target_probs,
+            draft_ids, torch.tensor(num_draft), draft_probs, target_probs,
             sampling.generators,
         )
         token_rows, accepted = out.token_ids.tolist(), out.num_accepted.tolist()  # the one host sync
@@ -172,8 +172,9 @@ class Engine:
         return Window(table, torch.cat([head, drafts]), drafts.numel() + 1)
 
     def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        # Kept on the host: warp_probs then skips work no row needs, without a device sync.
         p = [s.params for s in seqs]
-        dev = self.device
+        dev = "cpu"
         return SamplingTensors(
             torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
             torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),

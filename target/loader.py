@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from .config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from .default_pair import cache_dir, default_draft_gguf, default_target_gguf, verified_sha256
 
 DEFAULT_TARGET_SPEC = "default-target"
@@ -136,21 +137,24 @@ def _convert_into(gguf_file: Path, folder: Path, progress: bool) -> None:
     """Dequantize `gguf_file` with transformers' GGUF support and save it as an HF folder."""
     import torch
     from huggingface_hub import save_torch_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     start = time.perf_counter()
     say = _reporter(progress)
-    say(f"converting {gguf_file.name} once into {folder.parent} (about a minute per GB of GGUF)")
+    say(f"converting {gguf_file.name} once into {folder.parent} (a minute or two; later loads take seconds)")
     with _transformers_progress(progress):
         say("reading GGUF metadata (config, tokenizer)")
         src = {"pretrained_model_name_or_path": gguf_file.parent, "gguf_file": gguf_file.name}
         config = AutoConfig.from_pretrained(**src, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(
-            **src, tokenizer_type=config.model_type, local_files_only=True
-        )
+        # A known tokenizer_type skips a second slow parse of the metadata (~10 s for Qwen2.5).
+        known = config.model_type in TOKENIZER_MAPPING_NAMES
+        tokenizer_type = config.model_type if known else None
+        tokenizer = AutoTokenizer.from_pretrained(**src, tokenizer_type=tokenizer_type)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
+        _check_supported(type(skeleton).__name__, gguf_file)
         say("dequantizing tensors to float32")
         tensors = load_gguf_checkpoint(
             str(gguf_file), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
@@ -162,8 +166,26 @@ def _convert_into(gguf_file: Path, folder: Path, progress: bool) -> None:
     config.architectures = [type(skeleton).__name__]
     config.dtype = torch.float32
     config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    _make_readable(folder)
     say(f"converted {gguf_file.name} in {time.perf_counter() - start:.0f} s")
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes the folder 0700 (and some writers 0600 files); the cache is shared like a download."""
+    folder.chmod(0o755)
+    for file in folder.iterdir():
+        file.chmod(0o644)
+
+
+def _check_supported(architecture: str, gguf_file: Path) -> None:
+    """Fail before minutes of dequantizing when our transformer cannot run the model anyway."""
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{gguf_file.name} holds a {architecture}; specdec supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}."
+        )
 
 
 def _check_complete(tensors: dict, skeleton, config, gguf_file: Path) -> None:

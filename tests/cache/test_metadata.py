@@ -23,8 +23,8 @@ def test_varlen_batch_layout():
     assert meta.query_start_loc.tolist() == [0, 6, 7, 12]
     assert meta.seq_lens.tolist() == [6, 9, 12]
     assert (meta.max_query_len, meta.max_seq_len) == (6, 12)
-    expected_slots = prefill.slot_mapping(0, 6) + decode.slot_mapping(8, 9) + verify.slot_mapping(7, 12)
-    assert meta.slot_mapping.tolist() == expected_slots
+    expected = prefill.slot_mapping(0, 6) + decode.slot_mapping(8, 9) + verify.slot_mapping(7, 12)
+    assert meta.slot_mapping.tolist() == expected
     assert meta.slot_mapping.dtype == torch.int64
     assert meta.block_tables.dtype == torch.int32 and meta.block_tables.shape == (3, 3)
     assert meta.block_tables.tolist() == [

@@ -19,6 +19,7 @@ from specdec.cache import (
     build_attention_metadata,
     paged_attention,
     paged_attention_ref,
+    paged_attention_triton,
     triton_available,
     write_kv,
 )
@@ -66,7 +67,8 @@ def dense_causal_attention(q, k, v, scale):
     num_queries, num_q_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_q_heads // num_kv_heads
-    q, k, v = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    q = q.double()
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Q, L]
     query_pos = torch.arange(seq_len - num_queries, seq_len)
     visible = torch.arange(seq_len)[None, :] <= query_pos[:, None]  # [Q, L]
@@ -74,9 +76,14 @@ def dense_causal_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", probs, v)  # [Q, Hq, D]
 
 
+def assert_matches_dense(out, per_seq, scale, dtype=torch.float32):
+    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **TOL[dtype])
+
+
 def expected_output(per_seq, scale, kv_transform=lambda x: x):
-    outs = [dense_causal_attention(q, kv_transform(k), kv_transform(v), scale) for q, k, v in per_seq]
-    return torch.cat(outs)
+    return torch.cat(
+        [dense_causal_attention(q, kv_transform(k), kv_transform(v), scale) for q, k, v in per_seq]
+    )
 
 
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -92,7 +99,7 @@ GRID = pytest.mark.parametrize(
 
 
 def _fp8_roundtrip(x, scale):
-    return ((x.float() / scale).to(FP8).float() * scale)
+    return (x.float() / scale).to(FP8).float() * scale
 
 
 @GRID
@@ -102,7 +109,7 @@ def test_reference_matches_dense(block_size, group, dtype, windows):
     scale = HEAD_DIM**-0.5
     out = paged_attention_ref(query, *cache.layer(0), meta, scale, cache.k_scale, cache.v_scale)
     assert out.dtype == dtype and out.shape == query.shape
-    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **TOL[dtype])
+    assert_matches_dense(out, per_seq, scale, dtype)
 
 
 @pytest.mark.parametrize("block_size,group", [(1, 1), (4, 2), (16, 4)])
@@ -125,7 +132,7 @@ def test_reference_handles_empty_windows_and_uniform_batches():
     for windows in ([(12, 3), (7, 0), (20, 3)], [(9, 4), (30, 4)]):
         query, cache, meta, per_seq = build_case(4, 2, torch.float32, windows=windows)
         out = paged_attention_ref(query, *cache.layer(0), meta, scale)
-        torch.testing.assert_close(out.double(), expected_output(per_seq, scale), atol=2e-5, rtol=1e-4)
+        assert_matches_dense(out, per_seq, scale)
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -134,7 +141,7 @@ def test_reference_long_windows(windows, group):
     query, cache, meta, per_seq = build_case(4, group, torch.float32, windows=windows)
     scale = HEAD_DIM**-0.5
     out = paged_attention_ref(query, *cache.layer(0), meta, scale)
-    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **TOL[torch.float32])
+    assert_matches_dense(out, per_seq, scale)
 
 
 def test_reference_splits_large_batches_into_chunks(monkeypatch):
@@ -145,7 +152,7 @@ def test_reference_splits_large_batches_into_chunks(monkeypatch):
     query, cache, meta, per_seq = build_case(4, 2, torch.float32, windows=windows)
     scale = HEAD_DIM**-0.5
     out = paged_attention_ref(query, *cache.layer(0), meta, scale)
-    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **TOL[torch.float32])
+    assert_matches_dense(out, per_seq, scale)
 
 
 def test_paged_attention_dispatches_to_reference_on_cpu():
@@ -182,8 +189,6 @@ def _on_device(query, cache, meta):
 @GRID
 @pytest.mark.parametrize("windows", [MIXED, DECODE], ids=["mixed", "decode"])
 def test_triton_matches_reference(block_size, group, dtype, windows):
-    from specdec.cache import paged_attention_triton
-
     query, cache, meta, per_seq = build_case(block_size, group, dtype, windows=windows)
     scale = HEAD_DIM**-0.5
     ref = paged_attention_ref(query, *cache.layer(0), meta, scale)
@@ -198,8 +203,6 @@ def test_triton_matches_reference(block_size, group, dtype, windows):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_with_fp8_kv(dtype):
-    from specdec.cache import paged_attention_triton
-
     kv_scale = 0.5
     query, cache, meta, per_seq = build_case(4, 2, dtype, FP8, kv_scale)
     scale = HEAD_DIM**-0.5
@@ -207,3 +210,14 @@ def test_triton_with_fp8_kv(dtype):
     out = paged_attention_triton(query, k_cache, v_cache, meta, scale, kv_scale, kv_scale).cpu()
     exact = expected_output(per_seq, scale, lambda x: _fp8_roundtrip(x, kv_scale))
     torch.testing.assert_close(out.double(), exact, atol=2e-2, rtol=2e-2)
+
+
+@needs_triton
+def test_triton_handles_empty_windows():
+    windows = [(12, 3), (7, 0), (20, 3)]
+    query, cache, meta, per_seq = build_case(4, 2, torch.float32, windows=windows)
+    query, (k_cache, v_cache), meta = _on_device(query, cache, meta)
+    out = paged_attention_triton(query, k_cache, v_cache, meta, HEAD_DIM**-0.5).cpu()
+    torch.testing.assert_close(
+        out.double(), expected_output(per_seq, HEAD_DIM**-0.5), atol=2e-2, rtol=2e-2
+    )

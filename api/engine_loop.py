@@ -1,0 +1,272 @@
+"""The engine loop: one thread owns the (not thread-safe) Engine; asyncio code talks to it by messages.
+
+    event loop                          engine thread
+    ----------                          -------------
+    submit(request) -> RequestStream    builds the Engine (model loading happens here)
+      inbox.append(("add", ...)) ---->  add_request / abort, in arrival order
+    abort(id)                           step() -> [StepDelta]
+      inbox.append(("abort", id)) --->  release finished requests, publish a snapshot
+    stream.queue  <------------------   loop.call_soon_threadsafe(put deltas)
+
+Only the engine thread calls the Engine. When idle it sleeps on a condition (no busy spin). If
+`step()` raises, every in-flight request receives an `EngineDeadError`, the loop is marked dead
+(`/health` answers 503) and later submissions fail at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.sampling_params import SamplingParams
+from specdec.sequence import StepDelta
+
+logger = logging.getLogger("specdec.api")
+
+_STALL_WAIT_S = 0.02  # work exists but nothing could be scheduled this step: wait, don't spin
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (model loading or a step failed, or the server is shutting down)."""
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    num_speculative_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Immutable facts about the loaded engine, safe to read from any thread."""
+
+    max_model_len: int
+    vocab_size: int
+    tokenizer: Any
+    speculative: bool
+    num_speculative_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state after the latest step, published by the engine thread for /metrics."""
+
+    kv_usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    num_waiting: int = 0
+    num_running: int = 0
+    acceptance: dict[str, Any] = field(default_factory=dict)
+    drafted_per_position: tuple[int, ...] = ()
+
+
+class RequestStream:
+    """The consumer side of one request: deltas arrive on an asyncio queue, in order."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.queue: asyncio.Queue[StepDelta | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StepDelta:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class AsyncEngine:
+    """Runs an Engine on its own thread and exposes it to asyncio code.
+
+    `engine` is an Engine or a zero-argument factory that builds one (called on the engine thread,
+    so a slow model load does not block the server). Call `start()` from the event loop.
+    """
+
+    def __init__(self, engine: Any | Callable[[], Any], on_dead: Callable[[str], None] | None = None) -> None:
+        self._factory = engine if callable(engine) and not hasattr(engine, "step") else (lambda: engine)
+        self._on_dead = on_dead
+        self._cond = threading.Condition()
+        self._inbox: deque[tuple] = deque()  # guarded by _cond
+        self._stopping = False
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._drafted_per_position: list[int] = []  # engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.info: EngineInfo | None = None
+        self.error: str | None = None
+        self.snapshot = EngineSnapshot()
+        self.ready = threading.Event()
+
+    # ---- event-loop side -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.ready.is_set() and self.error is None
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests waiting for a slot: not yet admitted by the engine, or still in the inbox."""
+        with self._cond:
+            pending = sum(1 for cmd in self._inbox if cmd[0] == "add")
+        return self.snapshot.num_waiting + pending
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; its deltas arrive on the returned stream. Raises EngineDeadError."""
+        stream = RequestStream(request.request_id)
+        with self._cond:
+            if self.error is not None or self._stopping:
+                raise EngineDeadError(self.error or "the server is shutting down")
+            self._inbox.append(("add", request, stream))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks (on the engine thread, at its next iteration)."""
+        with self._cond:
+            self._inbox.append(("abort", request_id))
+            self._cond.notify()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- engine thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            engine = self._factory()
+        except BaseException as exc:  # noqa: BLE001 - any load failure must reach /health
+            logger.exception("loading the engine failed")
+            self._die(f"model loading failed: {exc}")
+            return
+        self.info = _engine_info(engine)
+        self._publish(engine)
+        self.ready.set()
+        try:
+            self._serve(engine)
+        except BaseException as exc:  # noqa: BLE001 - a dead loop must fail its requests, not hang them
+            logger.exception("the engine loop died")
+            self._die(f"engine failure: {type(exc).__name__}: {exc}")
+            return
+        self._die("the server is shutting down", log=False)
+
+    def _serve(self, engine: Any) -> None:
+        stalled = False
+        while True:
+            commands = self._next_commands(engine, stalled)
+            if commands is None:
+                return
+            for command in commands:
+                self._apply(engine, command)
+            deltas = engine.step() if engine.has_unfinished() else []
+            stalled = engine.has_unfinished() and not deltas
+            self._dispatch(engine, deltas)
+            self._publish(engine)
+
+    def _next_commands(self, engine: Any, stalled: bool) -> list[tuple] | None:
+        """Wait until there is something to do; None when shutting down."""
+        with self._cond:
+            if stalled and not self._inbox and not self._stopping:
+                self._cond.wait(_STALL_WAIT_S)
+            while not (self._inbox or self._stopping or engine.has_unfinished()):
+                self._cond.wait()
+            if self._stopping:
+                return None
+            commands = list(self._inbox)
+            self._inbox.clear()
+            return commands
+
+    def _apply(self, engine: Any, command: tuple) -> None:
+        if command[0] == "abort":
+            self._streams.pop(command[1], None)
+            engine.abort(command[1])
+            return
+        _, request, stream = command
+        try:
+            engine.add_request(
+                request.prompt_ids, request.params, request.request_id, request.num_speculative_tokens
+            )
+        except ValueError as exc:
+            self._deliver([(stream, exc)])
+            return
+        self._streams[request.request_id] = stream
+
+    def _dispatch(self, engine: Any, deltas: list[StepDelta]) -> None:
+        items = []
+        for delta in deltas:
+            if delta.num_drafted > len(self._drafted_per_position):
+                self._drafted_per_position.extend([0] * (delta.num_drafted - len(self._drafted_per_position)))
+            for position in range(delta.num_drafted):
+                self._drafted_per_position[position] += 1
+            stream = self._streams.get(delta.request_id)
+            if delta.finished:
+                engine.release(delta.request_id)
+                self._streams.pop(delta.request_id, None)
+            if stream is not None:
+                items.append((stream, delta))
+        self._deliver(items)
+
+    def _deliver(self, items: list[tuple[RequestStream, Any]]) -> None:
+        if not items or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _publish(self, engine: Any) -> None:
+        scheduler = engine.scheduler
+        self.snapshot = EngineSnapshot(
+            kv_usage=engine.kv_usage(),
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            acceptance=engine.stats.as_dict(),
+            drafted_per_position=tuple(self._drafted_per_position),
+        )
+
+    def _die(self, message: str, log: bool = True) -> None:
+        with self._cond:
+            self.error = message
+            pending = [cmd[2] for cmd in self._inbox if cmd[0] == "add"]
+            self._inbox.clear()
+        streams = pending + list(self._streams.values())
+        self._streams.clear()
+        self._deliver([(stream, EngineDeadError(message)) for stream in streams])
+        self.ready.set()
+        if self._on_dead is not None and log:
+            self._on_dead(message)
+
+
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _engine_info(engine: Any) -> EngineInfo:
+    return EngineInfo(
+        max_model_len=engine.max_model_len,
+        vocab_size=engine.target.model.config.vocab_size,
+        tokenizer=engine.tokenizer,
+        speculative=engine.proposer is not None,
+        num_speculative_tokens=engine.config.num_speculative_tokens if engine.proposer is not None else 0,
+    )

@@ -1,0 +1,171 @@
+"""`specdec eval acceptance`, `specdec bench latency`, `specdec bench serve`.
+
+`specdec.api.cli` discovers this module and calls `register(subparsers)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    eval_parser = sub.add_parser("eval", help="evaluations on real prompts (acceptance rate)")
+    eval_sub = eval_parser.add_subparsers(dest="eval_command", required=True)
+    _add_acceptance(eval_sub)
+    bench_parser = sub.add_parser("bench", help="latency and serving benchmarks")
+    bench_sub = bench_parser.add_subparsers(dest="bench_command", required=True)
+    _add_latency(bench_sub)
+    _add_serve(bench_sub)
+
+
+def _common(p: argparse.ArgumentParser, limit: int | None, seed_help: str) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("--limit", type=int, default=limit, help=f"prompts per dataset (default: {limit})")
+    g.add_argument("--seed", type=int, default=0, help=seed_help)
+    g.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: results/<command>-<UTC timestamp>)")
+    g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def _add_acceptance(sub: argparse._SubParsersAction) -> None:
+    from specdec.api.cli import add_engine_args
+
+    p = sub.add_parser(
+        "acceptance", help="acceptance rate, tau and speedup over target-only on HumanEval / ShareGPT",
+        description="Runs every prompt at batch 1 target-only and at each k on one engine; writes "
+                    "acceptance.json, acceptance.md and PNG plots.",
+    )
+    p.add_argument("--datasets", nargs="+", choices=["humaneval", "sharegpt"], default=["humaneval", "sharegpt"])
+    p.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="draft lengths k to evaluate")
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0], help="0 = greedy")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
+    _common(p, 20, "ShareGPT shuffle seed; prompt i samples with seed + i")
+    add_engine_args(p)
+    p.set_defaults(func=run_acceptance, parser=p, words=["specdec", "eval", "acceptance"])
+
+
+def _add_latency(sub: argparse._SubParsersAction) -> None:
+    from specdec.api.cli import add_engine_args
+    from specdec.eval.latency import SYSTEMS
+
+    p = sub.add_parser(
+        "latency", help="batch-1 decoding: specdec vs transformers vs llama.cpp, plus a concurrency sweep",
+        description="Times every system on the same prompts (greedy, the same number of new tokens, "
+                    "EOS ignored) in one run; writes latency.json, latency.md and PNG plots.",
+    )
+    p.add_argument("--dataset", choices=["humaneval", "sharegpt"], default="humaneval")
+    p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
+                   help="systems to time (llama.cpp is skipped with a reason when unavailable)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for every system (default: torch's)")
+    p.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: the target's, when it has one)")
+    p.add_argument("--concurrency", nargs="*", type=int, default=[1, 4, 8, 16],
+                   help="stream counts for our engine's aggregate tokens/s (none: skip the sweep)")
+    p.add_argument("--sweep-max-tokens", type=int, default=None, help="new tokens per sweep stream (default: --max-tokens)")
+    _common(p, 10, "ShareGPT shuffle seed")
+    add_engine_args(p)
+    p.set_defaults(func=run_latency, parser=p, words=["specdec", "bench", "latency"])
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="load test a running `specdec serve` with Poisson arrivals of ShareGPT prompts",
+        description="vLLM benchmark_serving's method and metrics (TTFT, TPOT, ITL, E2E, throughput, "
+                    "goodput) against an OpenAI-compatible server; writes serve.json, serve.md, plots.",
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
+    p.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"], default="/v1/completions")
+    p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
+    p.add_argument("--tokenizer", default="default-target",
+                   help="model spec whose tokenizer counts ShareGPT tokens (as the served target)")
+    p.add_argument("--request-rates", nargs="+", type=float, default=[0.1, 0.2, 0.5],
+                   help="requests per second (Poisson); inf sends all at once")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--output-len", type=int, default=None,
+                   help="fixed max_tokens per request (default: the ShareGPT reply's length)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+    p.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                   help="SLOs for goodput, vLLM style: ttft:500 tpot:100 e2el:20000")
+    p.add_argument("--percentiles", nargs="+", type=float, default=[50, 90, 99])
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    _common(p, 50, "ShareGPT shuffle and arrival-time seed")
+    p.set_defaults(func=run_serve, parser=p, words=["specdec", "bench", "serve"])
+
+
+def _out_dir(args: argparse.Namespace, command: str) -> Path:
+    from specdec.eval.report import default_out_dir
+
+    return args.out or default_out_dir(command)
+
+
+def _announce(files: list[Path]) -> None:
+    print("wrote:", file=sys.stderr)
+    for f in files:
+        print(f"  {f}", file=sys.stderr)
+
+
+def run_acceptance(args: argparse.Namespace) -> int:
+    from specdec.api.cli import engine_config_from_args
+    from specdec.eval import acceptance
+    from specdec.eval.report import provenance
+    from specdec.eval.runner import load_engine
+
+    opts = acceptance.AcceptanceOptions(
+        args.datasets, args.ks, args.temperatures, args.max_tokens, args.limit, args.seed,
+        args.max_prompt_tokens, args.progress,
+    )
+    config = engine_config_from_args(args)
+    if not config.speculative:
+        raise ValueError("eval acceptance needs a proposer: drop --no-speculation")
+    out = _out_dir(args, "eval-acceptance")
+    meta = provenance(args, args.words)
+    engine = load_engine(config)
+    cells = acceptance.evaluate(engine, opts)
+    files = acceptance.write_report(out, meta, opts, config, cells)
+    print(acceptance.table(cells))
+    _announce(files)
+    return 0
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    from specdec.api.cli import engine_config_from_args
+    from specdec.eval import latency
+    from specdec.eval.report import provenance
+
+    opts = latency.LatencyOptions(
+        args.dataset, args.systems, args.max_tokens, args.limit, args.seed, args.max_prompt_tokens,
+        args.threads, args.gguf, args.concurrency, args.sweep_max_tokens, args.progress,
+    )
+    config = engine_config_from_args(args)
+    out = _out_dir(args, "bench-latency")
+    meta = provenance(args, args.words)
+    result = latency.benchmark(config, opts)
+    files = latency.write_report(out, meta, opts, config, result)
+    print(latency.table(result))
+    _announce(files)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from specdec.eval import serve_bench
+    from specdec.eval.metrics import parse_slos
+    from specdec.eval.report import provenance
+
+    opts = serve_bench.ServeBenchOptions(
+        args.base_url, args.endpoint, args.model, args.tokenizer, args.request_rates, args.burstiness,
+        args.max_concurrency, args.output_len, args.temperature, args.ignore_eos,
+        parse_slos(args.goodput), args.percentiles, args.timeout, args.limit, args.seed, args.progress,
+    )
+    out = _out_dir(args, "bench-serve")
+    meta = provenance(args, args.words)
+    result = serve_bench.benchmark(opts)
+    files = serve_bench.write_report(out, meta, opts, result)
+    print(serve_bench.table(result))
+    _announce(files)
+    return 0

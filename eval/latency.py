@@ -1,0 +1,366 @@
+"""`specdec bench latency`: batch-1 decoding, every system on the same prompts in one run.
+
+Systems: our engine target-only (k = 0) and speculative (k from `-k`), transformers `generate()`
+and assisted generation (`assistant_model=`) on the SAME converted weights, dtype and thread
+count, and llama.cpp (llama-cpp-python, when installed) on the target's GGUF. All decode greedily
+exactly `max_tokens` new tokens (EOS ignored, so every system does the same work). Prompts are
+interleaved (each prompt runs on every system in turn) so drift in machine speed hits all alike.
+Then a concurrency sweep: our engine's aggregate tokens/s with 1, 4, 8, 16 streams.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.eval import metrics, report
+from specdec.eval.metrics import RequestTrace
+from specdec.eval.runner import EncodedPrompt, encode_prompts, load_engine, run_concurrent, run_request
+from specdec.sampling_params import SamplingParams
+
+SYSTEMS = ("specdec-target-only", "specdec-speculative", "transformers", "transformers-assisted", "llama.cpp")
+LLAMA_CPP_INSTALL = (
+    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
+    "pip install llama-cpp-python"
+)
+
+
+@dataclass
+class LatencyOptions:
+    dataset: str = "humaneval"
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    max_tokens: int = 128
+    limit: int | None = 10
+    seed: int = 0
+    max_prompt_tokens: int = 1024
+    threads: int | None = None
+    gguf: str | None = None
+    concurrency: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
+    sweep_max_tokens: int | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 2:
+            raise ValueError("--max-tokens must be at least 2")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError("--limit must be positive")
+        if any(n < 1 for n in self.concurrency):
+            raise ValueError(f"--concurrency values must be positive, got {self.concurrency}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("--threads must be positive")
+
+
+# ---- the systems -----------------------------------------------------------------------------
+
+
+class SpecdecDecoder:
+    """Our engine at a fixed k (0 = target-only)."""
+
+    def __init__(self, engine, k: int) -> None:
+        self.engine, self.k = engine, k
+
+    def decode(self, token_ids: list[int], max_tokens: int) -> RequestTrace:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return run_request(self.engine, token_ids, params, self.k)[0]
+
+
+class TimingStreamer:
+    """A transformers streamer that stamps each pushed chunk (the first push is the prompt)."""
+
+    def __init__(self, trace: RequestTrace) -> None:
+        self.trace, self.seen_prompt = trace, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.seen_prompt:
+            self.seen_prompt = True
+            return
+        self.trace.add_chunk(time.perf_counter(), value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersDecoder:
+    """`model.generate()`, greedy, exactly `max_tokens` new tokens; assisted when given a draft."""
+
+    def __init__(self, model, assistant=None) -> None:
+        self.model, self.assistant = model, assistant
+
+    def generation_config(self, max_tokens: int):
+        from transformers import GenerationConfig
+
+        eos = self.model.config.eos_token_id
+        return GenerationConfig(
+            do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            eos_token_id=eos, pad_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], max_tokens: int) -> RequestTrace:
+        input_ids = torch.tensor([token_ids], device=self.model.device)
+        trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
+        out = self.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids),
+            generation_config=self.generation_config(max_tokens),
+            assistant_model=self.assistant, streamer=TimingStreamer(trace),
+        )
+        trace.token_ids = out[0, len(token_ids):].tolist()
+        return trace
+
+
+class LlamaCppDecoder:
+    """llama.cpp through llama-cpp-python: greedy token loop, prompt cache reset before each run."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+
+    def decode(self, token_ids: list[int], max_tokens: int) -> RequestTrace:
+        self.llm.reset()  # no reuse of the previous run's prompt KV: every system prefills
+        trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
+        tokens = self.llm.generate(token_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
+        for token in tokens:
+            trace.add_chunk(time.perf_counter(), 1)
+            trace.token_ids.append(int(token))
+            if len(trace.token_ids) >= max_tokens:
+                break
+        return trace
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def load_decoders(engine, config, opts: LatencyOptions, context_len: int) -> tuple[dict, dict[str, str]]:
+    """The requested systems that can run here, and a reason for each one that cannot."""
+    decoders: dict = {}
+    skipped: dict[str, str] = {}
+    wanted = set(opts.systems)
+    if "specdec-target-only" in wanted:
+        decoders["specdec-target-only"] = SpecdecDecoder(engine, 0)
+    if "specdec-speculative" in wanted:
+        if engine.proposer is None:
+            skipped["specdec-speculative"] = "the engine has no proposer (--no-speculation)"
+        else:
+            decoders["specdec-speculative"] = SpecdecDecoder(engine, config.num_speculative_tokens)
+    if wanted & {"transformers", "transformers-assisted"}:
+        target = load_transformers(config.target, config)
+        if "transformers" in wanted:
+            decoders["transformers"] = TransformersDecoder(target)
+        if "transformers-assisted" in wanted:
+            if not config.draft:
+                skipped["transformers-assisted"] = "no draft model"
+            else:
+                decoders["transformers-assisted"] = TransformersDecoder(target, load_transformers(config.draft, config))
+    if "llama.cpp" in wanted:
+        llm, reason = load_llama_cpp(config, opts, context_len)
+        if llm is None:
+            skipped["llama.cpp"] = reason
+        else:
+            decoders["llama.cpp"] = LlamaCppDecoder(llm)
+    return {name: decoders[name] for name in SYSTEMS if name in decoders}, skipped
+
+
+def load_transformers(spec: str, config):
+    """The same weights our engine runs, as a transformers model in the same dtype and device."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.target.loader import resolve_model
+    from specdec.target.weights import parse_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(spec), dtype=parse_dtype(config.dtype))
+    return model.to(config.resolved_device()).eval()
+
+
+def gguf_for(config, opts: LatencyOptions) -> str | None:
+    """The GGUF llama.cpp runs: --gguf, else the target's own GGUF (default pair or a .gguf spec)."""
+    if opts.gguf:
+        return opts.gguf
+    if config.target == "default-target":
+        from specdec.target.default_pair import default_target_gguf
+
+        return str(default_target_gguf())
+    return config.target if config.target.lower().endswith(".gguf") else None
+
+
+def load_llama_cpp(config, opts: LatencyOptions, context_len: int):
+    """(Llama, "") or (None, why not)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None, f"llama-cpp-python is not installed (optional: {LLAMA_CPP_INSTALL})"
+    path = gguf_for(config, opts)
+    if path is None:
+        return None, "the target is not a GGUF file; pass --gguf FILE"
+    threads = opts.threads or torch.get_num_threads()
+    llm = Llama(model_path=path, n_ctx=context_len, n_batch=512, n_threads=threads,
+                n_threads_batch=threads, seed=opts.seed, verbose=False)
+    return llm, ""
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+def benchmark(config, opts: LatencyOptions) -> dict:
+    """Time every system on the same prompts, then sweep our engine's concurrency."""
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    engine = load_engine(config)
+    prompts = encode_prompts(engine, opts.dataset, opts.limit, opts.seed, opts.max_prompt_tokens, opts.max_tokens)
+    context_len = max(len(p.token_ids) for p in prompts) + opts.max_tokens + 16
+    decoders, skipped = load_decoders(engine, config, opts, context_len)
+    traces = time_systems(decoders, prompts, opts)
+    systems = summarize_systems(traces, config)
+    for name, reason in skipped.items():
+        systems[name] = {"status": "skipped", "reason": reason}
+    sweep = concurrency_sweep(engine, prompts, config, opts)
+    return {
+        "threads": torch.get_num_threads(),
+        "prompts": [{"id": p.id, "prompt_tokens": len(p.token_ids)} for p in prompts],
+        "systems": {name: systems[name] for name in SYSTEMS if name in systems},
+        "concurrency": sweep,
+    }
+
+
+def time_systems(decoders: dict, prompts: list[EncodedPrompt], opts: LatencyOptions) -> dict[str, list[RequestTrace]]:
+    """Each prompt on each system in turn, after one short untimed warm-up run per system."""
+    from tqdm.auto import tqdm
+
+    for decoder in decoders.values():
+        decoder.decode(prompts[0].token_ids, 4)
+    traces: dict[str, list[RequestTrace]] = {name: [] for name in decoders}
+    with tqdm(total=len(prompts) * len(decoders), desc="bench latency", unit="run", disable=not opts.progress) as bar:
+        for prompt in prompts:
+            for name, decoder in decoders.items():
+                bar.set_postfix_str(f"{prompt.id} · {name}")
+                traces[name].append(decoder.decode(prompt.token_ids, opts.max_tokens))
+                bar.update(1)
+    return traces
+
+
+def summarize_systems(traces: dict[str, list[RequestTrace]], config) -> dict[str, dict]:
+    """Per system: decode metrics, ratios to our target-only and speculative runs, token agreement."""
+    out = {name: {"status": "ok", **metrics.decode_metrics(ts)} for name, ts in traces.items()}
+    base = traces.get("specdec-target-only")
+    ours = out.get("specdec-speculative", {}).get("tokens_per_s")
+    target_only = out.get("specdec-target-only", {}).get("tokens_per_s")
+    for name, summary in out.items():
+        tps = summary["tokens_per_s"]
+        summary["vs_target_only"] = tps / target_only if target_only else None
+        summary["specdec_speedup_over_this"] = ours / tps if ours and tps else None
+        if base is not None:
+            same = [a.token_ids == b.token_ids for a, b in zip(traces[name], base)]
+            summary["same_tokens_as_target_only"] = sum(same) / len(same)
+    if "specdec-speculative" in out:
+        out["specdec-speculative"]["k"] = config.num_speculative_tokens
+    return out
+
+
+def concurrency_sweep(engine, prompts: list[EncodedPrompt], config, opts: LatencyOptions) -> list[dict]:
+    """Aggregate tokens/s of our engine with N streams at once, target-only and speculative."""
+    from tqdm.auto import tqdm
+
+    max_tokens = opts.sweep_max_tokens or opts.max_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    modes = [("specdec-target-only", 0)]
+    if engine.proposer is not None:
+        modes.append(("specdec-speculative", config.num_speculative_tokens))
+    rows = []
+    runs = [(n, mode, k) for n in opts.concurrency for mode, k in modes]
+    for n, mode, k in tqdm(runs, desc="concurrency sweep", unit="run", disable=not opts.progress or not runs):
+        batch = [prompts[i % len(prompts)].token_ids for i in range(n)]
+        traces, seconds, steps = run_concurrent(engine, batch, params, k)
+        tokens = sum(t.num_output_tokens for t in traces)
+        rows.append({
+            "system": mode, "k": k, "streams": n, "num_output_tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "ttft_ms_mean": metrics.distribution([1000 * t.ttft for t in traces])["mean"],
+            "alpha": metrics.acceptance_summary(steps)["alpha"] if k else None,
+            "queued": max(0, n - config.max_num_seqs),
+        })
+    return rows
+
+
+# ---- report ----------------------------------------------------------------------------------
+
+
+def table(result: dict) -> str:
+    headers = ["system", "tok/s", "TTFT p50 ms", "TPOT ms", "ITL p50 ms", "ITL p99 ms", "TBT p50 ms",
+               "TBT p99 ms", "x our target-only", "specdec spec. is Nx faster", "same tokens"]
+    rows = []
+    for name, s in result["systems"].items():
+        if s["status"] != "ok":
+            rows.append([name, f"skipped: {s['reason']}", *[None] * (len(headers) - 2)])
+            continue
+        rows.append([
+            name + (f" (k={s['k']})" if "k" in s else ""), s["tokens_per_s"], s["ttft_ms"]["p50"],
+            s["tpot_ms"]["mean"], s["itl_ms"]["p50"], s["itl_ms"]["p99"], s["tbt_ms"]["p50"],
+            s["tbt_ms"]["p99"], _x(s["vs_target_only"]), _x(s["specdec_speedup_over_this"]),
+            s.get("same_tokens_as_target_only"),
+        ])
+    return report.markdown_table(headers, rows)
+
+
+def sweep_table(rows: list[dict]) -> str:
+    return report.markdown_table(
+        ["system", "streams", "aggregate tok/s", "mean TTFT ms", "alpha"],
+        [[r["system"], r["streams"], r["tokens_per_s"], r["ttft_ms_mean"], r["alpha"]] for r in rows],
+    )
+
+
+def _x(value: float | None) -> str | None:
+    return f"{value:.2f}x" if value is not None else None
+
+
+def plot_systems(result: dict, path: Path) -> Path:
+    ok = {n: s for n, s in result["systems"].items() if s["status"] == "ok"}
+    fig, (ax_tps, ax_lat) = report.new_figure(ncols=2)
+    names = list(ok)
+    ax_tps.barh(names, [ok[n]["tokens_per_s"] for n in names], color="tab:blue")
+    ax_tps.set(title="batch-1 decoding speed", xlabel="tokens/s")
+    ax_tps.invert_yaxis()
+    ttft = [ok[n]["ttft_ms"]["p50"] or 0.0 for n in names]
+    tpot = [ok[n]["tpot_ms"]["mean"] or 0.0 for n in names]
+    y = range(len(names))
+    ax_lat.barh([i - 0.2 for i in y], ttft, height=0.4, label="TTFT p50")
+    ax_lat.barh([i + 0.2 for i in y], tpot, height=0.4, label="TPOT mean")
+    ax_lat.set(title="latency", xlabel="ms", yticks=list(y), yticklabels=names)
+    ax_lat.invert_yaxis()
+    ax_lat.legend()
+    for ax in (ax_tps, ax_lat):
+        ax.grid(axis="x", alpha=0.3)
+    return report.save_figure(fig, path)
+
+
+def plot_sweep(rows: list[dict], path: Path) -> Path:
+    fig, (ax,) = report.new_figure()
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = [r for r in rows if r["system"] == system]
+        ax.plot([r["streams"] for r in mine], [r["tokens_per_s"] for r in mine], marker="o", label=system)
+    ax.set(title="our engine, concurrent streams", xlabel="streams", ylabel="aggregate tokens/s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return report.save_figure(fig, path)
+
+
+def write_report(out: Path, meta: dict, opts: LatencyOptions, engine_config, result: dict) -> list[Path]:
+    payload = {"meta": meta, "options": asdict(opts), "engine": asdict(engine_config), "results": result}
+    n, max_tokens = len(result["prompts"]), opts.max_tokens
+    sections = [(
+        "Batch-1 decoding",
+        table(result) + f"\n\n{n} {opts.dataset} prompts, greedy, {max_tokens} new tokens each (EOS "
+        f"ignored), {result['threads']} threads, dtype {engine_config.dtype}. TTFT: request to first "
+        "token; TPOT: (E2E - TTFT) / (tokens - 1); ITL: gaps between streamed chunks (a speculative "
+        "chunk carries several tokens); TBT: each chunk's gap shared by its tokens. 'same tokens': "
+        "share of prompts whose output equals our target-only output.",
+    )]
+    files = [report.write_json(out / "latency.json", payload)]
+    if result["concurrency"]:
+        sections.append(("Concurrency sweep (our engine)", sweep_table(result["concurrency"])))
+    files.append(report.write_markdown(out / "latency.md", "Latency benchmark", meta, sections))
+    if any(s["status"] == "ok" for s in result["systems"].values()):
+        files.append(plot_systems(result, out / "latency_systems.png"))
+    if result["concurrency"]:
+        files.append(plot_sweep(result["concurrency"], out / "concurrency.png"))
+    return files

@@ -1,0 +1,100 @@
+"""Prompts to token ids once, and timed batch-1 runs on our engine (a trace per request)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from specdec.eval.datasets import Prompt, humaneval_prompts, sharegpt_prompts
+from specdec.eval.metrics import RequestTrace
+from specdec.sampling_params import SamplingParams
+
+
+@dataclass
+class EncodedPrompt:
+    """A dataset prompt as the token ids every system receives (chat template applied if needed)."""
+
+    id: str
+    token_ids: list[int]
+
+
+def load_engine(config):
+    """`Engine(config)` behind a status line on stderr (the first run converts the GGUF files)."""
+    from rich.console import Console
+
+    from specdec.engine import Engine
+
+    with Console(stderr=True).status("loading models (the first run converts GGUF files; later runs take seconds)"):
+        return Engine(config)
+
+
+def dataset_prompts(name: str, tokenize, seed: int, max_prompt_tokens: int) -> Iterator[Prompt]:
+    """HumanEval in file order (raw code prompts), or ShareGPT shuffled by `seed` (chat prompts)."""
+    if name == "humaneval":
+        return humaneval_prompts()
+    if name == "sharegpt":
+        return sharegpt_prompts(tokenize, seed, max_prompt_len=max_prompt_tokens)
+    raise ValueError(f"unknown dataset {name!r}; choose from humaneval, sharegpt")
+
+
+def encode_prompts(
+    engine, name: str, limit: int | None, seed: int, max_prompt_tokens: int, max_tokens: int
+) -> list[EncodedPrompt]:
+    """The first `limit` prompts of a dataset that fit `max_prompt_tokens` and the engine's context."""
+    tokenize = lambda text: engine.tokenizer(text).input_ids  # noqa: E731  (vLLM counts this way)
+    max_len = min(max_prompt_tokens, engine.max_model_len - max_tokens)
+    encoded = (
+        EncodedPrompt(p.id, engine.encode(p.text, chat=p.chat))
+        for p in dataset_prompts(name, tokenize, seed, max_prompt_tokens)
+    )
+    prompts = list(itertools.islice((e for e in encoded if len(e.token_ids) <= max_len), limit))
+    if not prompts:
+        raise ValueError(
+            f"no {name} prompt fits --max-prompt-tokens {max_prompt_tokens} and the context "
+            f"({engine.max_model_len} tokens, {max_tokens} of them for the output)"
+        )
+    return prompts
+
+
+def run_request(
+    engine, token_ids: list[int], params: SamplingParams, k: int
+) -> tuple[RequestTrace, list[tuple[int, int]]]:
+    """One request alone on the engine: its timing trace and its (num_draft, num_accepted) steps."""
+    trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
+    steps: list[tuple[int, int]] = []
+    request_id = engine.add_request(token_ids, params, num_speculative_tokens=k)
+    try:
+        while engine.has_unfinished():
+            for delta in engine.step():
+                steps.append((delta.num_drafted, delta.num_accepted))
+                if delta.token_ids:
+                    trace.add_chunk(time.perf_counter(), len(delta.token_ids))
+                    trace.token_ids += delta.token_ids
+    finally:
+        engine.release(request_id)
+    return trace, steps
+
+
+def run_concurrent(
+    engine, prompts: list[list[int]], params: SamplingParams, k: int
+) -> tuple[list[RequestTrace], float, list[tuple[int, int]]]:
+    """All prompts at once on the engine: per-request traces, wall seconds, and acceptance steps."""
+    start = time.perf_counter()
+    traces, steps = {}, []
+    for token_ids in prompts:
+        rid = engine.add_request(token_ids, params, num_speculative_tokens=k)
+        traces[rid] = RequestTrace(start, prompt_tokens=len(token_ids))
+    try:
+        while engine.has_unfinished():
+            deltas = engine.step()
+            now = time.perf_counter()
+            for delta in deltas:
+                steps.append((delta.num_drafted, delta.num_accepted))
+                if delta.token_ids:
+                    traces[delta.request_id].add_chunk(now, len(delta.token_ids))
+    finally:
+        for rid in traces:
+            engine.release(rid)
+    return list(traces.values()), time.perf_counter() - start, steps

