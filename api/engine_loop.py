@@ -94,9 +94,9 @@ class AsyncEngine:
     so a slow model load does not block the server). Call `start()` from the event loop.
     """
 
-    def __init__(self, engine: Any | Callable[[], Any], on_dead: Callable[[str], None] | None = None) -> None:
+    def __init__(self, engine: Any | Callable[[], Any], on_load_error: Callable[[str], None] | None = None) -> None:
         self._factory = engine if callable(engine) and not hasattr(engine, "step") else (lambda: engine)
-        self._on_dead = on_dead
+        self._on_load_error = on_load_error
         self._cond = threading.Condition()
         self._inbox: deque[tuple] = deque()  # guarded by _cond
         self._stopping = False
@@ -158,6 +158,8 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - any load failure must reach /health
             logger.exception("loading the engine failed")
             self._die(f"model loading failed: {exc}")
+            if self._on_load_error is not None:
+                self._on_load_error(self.error)
             return
         self.info = _engine_info(engine)
         self._publish(engine)
@@ -168,7 +170,7 @@ class AsyncEngine:
             logger.exception("the engine loop died")
             self._die(f"engine failure: {type(exc).__name__}: {exc}")
             return
-        self._die("the server is shutting down", log=False)
+        self._die("the server is shutting down")
 
     def _serve(self, engine: Any) -> None:
         stalled = False
@@ -244,7 +246,7 @@ class AsyncEngine:
             drafted_per_position=tuple(self._drafted_per_position),
         )
 
-    def _die(self, message: str, log: bool = True) -> None:
+    def _die(self, message: str) -> None:
         with self._cond:
             self.error = message
             pending = [cmd[2] for cmd in self._inbox if cmd[0] == "add"]
@@ -253,8 +255,6 @@ class AsyncEngine:
         self._streams.clear()
         self._deliver([(stream, EngineDeadError(message)) for stream in streams])
         self.ready.set()
-        if self._on_dead is not None and log:
-            self._on_dead(message)
 
 
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:

@@ -109,7 +109,7 @@ def table(cells: list[dict]) -> str:
         if c["k"] == 0:
             continue
         a = c["acceptance"]
-        rows.append([c["dataset"], c["temperature"], c["k"], a["alpha"], a["tau"], a["tau_predicted"],
+        rows.append([c["dataset"], f"{c['temperature']:g}", c["k"], a["alpha"], a["tau"], a["tau_predicted"],
                      a["p_token"], c["tokens_per_s"], c["target_tokens_per_s"], _times(c["speedup"])])
     return report.markdown_table(headers, rows)
 
@@ -117,7 +117,7 @@ def table(cells: list[dict]) -> str:
 def position_table(cells: list[dict]) -> str:
     k_max = max((c["k"] for c in cells), default=0)
     headers = ["dataset", "T", "k", *[f"pos {i + 1}" for i in range(k_max)]]
-    rows = [[c["dataset"], c["temperature"], c["k"],
+    rows = [[c["dataset"], f"{c['temperature']:g}", c["k"],
              *(c["acceptance"]["acceptance_by_position"] + [None] * k_max)[:k_max]]
             for c in cells if c["k"] > 0]
     return report.markdown_table(headers, rows)
@@ -128,24 +128,32 @@ def _times(x: float | None) -> str | None:
 
 
 def plot_positions(cells: list[dict], path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
     groups = _groups(cells)
-    fig, axes = report.new_figure(ncols=len(groups))
+    ncols = min(len(groups), 2)
+    fig, axes = report.new_figure(ncols=ncols, nrows=-(-len(groups) // ncols))
+    for ax in axes[len(groups):]:
+        ax.set_visible(False)
     for ax, ((dataset, temperature), group) in zip(axes, groups.items()):
         for c in group:
             rates = c["acceptance"]["acceptance_by_position"]
             ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"k={c['k']}")
-        ax.set(title=f"{dataset}, T={temperature}", xlabel="draft position", ylabel="accepted (share of steps)",
-               ylim=(0, 1.02))
+        ax.set(title=f"{dataset}, T={temperature:g}", xlabel="draft position",
+               ylabel="share of steps with drafts 1..i accepted", ylim=(0, 1.02))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     return report.save_figure(fig, path)
 
 
 def plot_tau_speedup(cells: list[dict], path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
     fig, (ax_tau, ax_speed) = report.new_figure(ncols=2)
     for (dataset, temperature), group in _groups(cells).items():
         ks = [c["k"] for c in group]
-        label = f"{dataset}, T={temperature}"
+        label = f"{dataset}, T={temperature:g}"
         line, = ax_tau.plot(ks, [c["acceptance"]["tau"] for c in group], marker="o", label=f"{label} measured")
         ax_tau.plot(ks, [c["acceptance"]["tau_predicted"] for c in group], linestyle="--",
                     color=line.get_color(), label=f"{label} from alpha")
@@ -154,6 +162,7 @@ def plot_tau_speedup(cells: list[dict], path: Path) -> Path:
     ax_speed.set(title="speedup over target-only", xlabel="k (draft tokens)", ylabel="x target-only tokens/s")
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
     for ax in (ax_tau, ax_speed):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     return report.save_figure(fig, path)

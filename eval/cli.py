@@ -88,6 +88,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     p.add_argument("--output-len", type=int, default=None,
                    help="fixed max_tokens per request (default: the ShareGPT reply's length)")
+    p.add_argument("--max-prompt-len", type=int, default=1024, help="skip longer prompts (vLLM: 1024)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
     p.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
@@ -159,7 +160,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     opts = serve_bench.ServeBenchOptions(
         args.base_url, args.endpoint, args.model, args.tokenizer, args.request_rates, args.burstiness,
-        args.max_concurrency, args.output_len, args.temperature, args.ignore_eos,
+        args.max_concurrency, args.output_len, args.max_prompt_len, args.temperature, args.ignore_eos,
         parse_slos(args.goodput), args.percentiles, args.timeout, args.limit, args.seed, args.progress,
     )
     out = _out_dir(args, "bench-serve")

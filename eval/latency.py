@@ -89,11 +89,9 @@ class TransformersDecoder:
     def __init__(self, model, assistant=None) -> None:
         self.model, self.assistant = model, assistant
 
-    def generation_config(self, max_tokens: int):
-        from transformers import GenerationConfig
-
+    def generation_kwargs(self, max_tokens: int) -> dict:
         eos = self.model.config.eos_token_id
-        return GenerationConfig(
+        return dict(
             do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
             eos_token_id=eos, pad_token_id=eos[0] if isinstance(eos, list) else eos,
         )
@@ -104,8 +102,7 @@ class TransformersDecoder:
         trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
         out = self.model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids),
-            generation_config=self.generation_config(max_tokens),
-            assistant_model=self.assistant, streamer=TimingStreamer(trace),
+            assistant_model=self.assistant, streamer=TimingStreamer(trace), **self.generation_kwargs(max_tokens),
         )
         trace.token_ids = out[0, len(token_ids):].tolist()
         return trace
@@ -226,7 +223,10 @@ def benchmark(config, opts: LatencyOptions) -> dict:
 def time_systems(decoders: dict, prompts: list[EncodedPrompt], opts: LatencyOptions) -> dict[str, list[RequestTrace]]:
     """Each prompt on each system in turn, after one short untimed warm-up run per system."""
     from tqdm.auto import tqdm
+    from transformers.utils import logging as hf_logging
 
+    # assisted generation repeats deprecation notices about its inner generate() call each run
+    hf_logging.set_verbosity_error()
     for decoder in decoders.values():
         decoder.decode(prompts[0].token_ids, 4)
     traces: dict[str, list[RequestTrace]] = {name: [] for name in decoders}

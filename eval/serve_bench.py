@@ -34,6 +34,7 @@ class ServeBenchOptions:
     burstiness: float = 1.0
     max_concurrency: int | None = None
     output_len: int | None = None
+    max_prompt_len: int = 1024
     temperature: float = 0.0
     ignore_eos: bool = False
     slos: dict[str, float] = field(default_factory=dict)
@@ -192,7 +193,11 @@ def load_tokenizer(spec: str):
 def benchmark(opts: ServeBenchOptions) -> dict:
     """Sample the requests, then run every rate against the server."""
     tokenizer = load_tokenizer(opts.tokenizer)
-    requests = sample_sharegpt(lambda s: tokenizer(s).input_ids, opts.limit, opts.seed, opts.output_len)
+    requests = sample_sharegpt(
+        lambda s: tokenizer(s).input_ids, opts.limit, opts.seed, opts.output_len, opts.max_prompt_len
+    )
+    if not requests:
+        raise ValueError("no ShareGPT request passes the filters; raise --max-prompt-len")
     count_tokens = lambda text: len(tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
     result = asyncio.run(run_all(opts, requests, count_tokens))
     result["requests"] = [asdict(r) | {"prompt": r.prompt[:80]} for r in requests]

@@ -27,8 +27,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
-from .default_pair import cache_dir, default_draft_gguf, default_target_gguf, verified_sha256
+from specdec.target.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
+from specdec.target.default_pair import (
+    cache_dir,
+    default_draft_gguf,
+    default_target_gguf,
+    verified_sha256,
+)
 
 DEFAULT_TARGET_SPEC = "default-target"
 DEFAULT_DRAFT_SPEC = "default-draft"
@@ -56,14 +61,15 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
         return check_hf_folder(path)
     if path.exists():
         raise ValueError(
-            f"{spec!r} is a file but not a .gguf file; pass a GGUF file, a Hugging Face model folder "
-            f"(config.json + *.safetensors) or a hub id."
+            f"{spec!r} is a file but not a .gguf file; pass a GGUF file, a Hugging Face model "
+            f"folder (config.json + *.safetensors) or a hub id."
         )
     if _HUB_ID.match(spec) and not spec.startswith((".", "~")):
         return download_from_hub(spec)
     raise ValueError(
-        f"Model {spec!r} not found: it is not an existing folder, not a .gguf file and not a hub id "
-        f"(owner/name). Use {DEFAULT_TARGET_SPEC!r} / {DEFAULT_DRAFT_SPEC!r} for the embedded pair."
+        f"Model {spec!r} not found: it is not an existing folder, not a .gguf file and not a hub "
+        f"id (owner/name). Use {DEFAULT_TARGET_SPEC!r} / {DEFAULT_DRAFT_SPEC!r} for the embedded "
+        f"pair."
     )
 
 
@@ -72,7 +78,9 @@ def check_hf_folder(folder: Path) -> Path:
     if not folder.is_dir():
         raise ValueError(f"Model folder {str(folder)!r} does not exist.")
     if not (folder / "config.json").is_file():
-        raise ValueError(f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model?")
+        raise ValueError(
+            f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model?"
+        )
     if not any(folder.glob("*.safetensors")):
         hint = " (it only has PyTorch .bin weights; re-save them as safetensors)" if any(
             folder.glob("*.bin")
@@ -90,9 +98,9 @@ def download_from_hub(repo_id: str) -> Path:
         folder = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
     except (HfHubHTTPError, OSError, ValueError) as error:
         raise ValueError(
-            f"Could not get {repo_id!r} from the Hugging Face hub: {error}\nWithout network access "
-            f"(or with HF_HUB_OFFLINE=1) only models already in the hub cache resolve; pass a local "
-            f"folder or a .gguf file instead."
+            f"Could not get {repo_id!r} from the Hugging Face hub: {error}\nWithout network "
+            f"access (or with HF_HUB_OFFLINE=1) only models already in the hub cache resolve; "
+            f"pass a local folder or a .gguf file instead."
         ) from error
     return check_hf_folder(Path(folder))
 
@@ -143,7 +151,8 @@ def _convert_into(gguf_file: Path, folder: Path, progress: bool) -> None:
 
     start = time.perf_counter()
     say = _reporter(progress)
-    say(f"converting {gguf_file.name} once into {folder.parent} (a minute or two; later loads take seconds)")
+    say(f"converting {gguf_file.name} once into {folder.parent} (a minute or two; later loads "
+        "take seconds)")
     with _transformers_progress(progress):
         say("reading GGUF metadata (config, tokenizer)")
         src = {"pretrained_model_name_or_path": gguf_file.parent, "gguf_file": gguf_file.name}
@@ -161,7 +170,9 @@ def _convert_into(gguf_file: Path, folder: Path, progress: bool) -> None:
         )["tensors"]
     _check_complete(tensors, skeleton, config, gguf_file)
     say("writing safetensors")
-    save_torch_state_dict(tensors, folder, max_shard_size=_MAX_SHARD_SIZE, metadata={"format": "pt"})
+    save_torch_state_dict(
+        tensors, folder, max_shard_size=_MAX_SHARD_SIZE, metadata={"format": "pt"}
+    )
     del tensors
     config.architectures = [type(skeleton).__name__]
     config.dtype = torch.float32
@@ -173,7 +184,7 @@ def _convert_into(gguf_file: Path, folder: Path, progress: bool) -> None:
 
 
 def _make_readable(folder: Path) -> None:
-    """mkdtemp makes the folder 0700 (and some writers 0600 files); the cache is shared like a download."""
+    """mkdtemp makes the folder 0700 (some writers make 0600 files); share it like a download."""
     folder.chmod(0o755)
     for file in folder.iterdir():
         file.chmod(0o644)

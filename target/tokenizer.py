@@ -33,8 +33,8 @@ def apply_chat_template(tokenizer: Any, prompt: str) -> list[int]:
     """
     if not is_chat_model(tokenizer):
         raise ValueError(
-            "This model's tokenizer has no chat template, so the prompt cannot be wrapped as a chat "
-            "message; pass --no-chat to feed the prompt as plain text."
+            "This model's tokenizer has no chat template, so the prompt cannot be wrapped as a "
+            "chat message; pass --no-chat to feed the prompt as plain text."
         )
     messages = [{"role": "user", "content": prompt}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -41,7 +41,8 @@ def _tiny_llama(tokenizer, tie: bool = False):
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order (convert_hf_to_gguf.py), which the conversion must undo."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    rows = w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+    return rows.swapaxes(1, 2).reshape(w.shape)
 
 
 _GGUF_NAMES = {
@@ -50,12 +51,15 @@ _GGUF_NAMES = {
     "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+_GGUF_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def _write_gguf(path, model, tokenizer, quantize_ffn: bool = False) -> dict[str, np.ndarray]:
-    """Write `model` + `tokenizer` as a llama GGUF, as llama.cpp would; returns the expected weights."""
+    """Write `model` + `tokenizer` as a llama GGUF as llama.cpp would; return expected weights."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch="llama")
@@ -264,3 +268,37 @@ def test_real_pair_assembles_and_converts(monkeypatch):
     start = time.perf_counter()
     assert resolve_model("default-draft", progress=False) == folder
     assert time.perf_counter() - start < 1.0
+
+
+def _fake_packed(tmp_path, monkeypatch, sha: str | None = None):
+    """A three-chunk 'model' whose chunks are local files standing in for installed packages."""
+    import hashlib
+
+    chunks = [bytes([i]) * (1000 + i) for i in range(3)]
+    parts = []
+    for i, chunk in enumerate(chunks, start=1):
+        parts.append(tmp_path / f"part{i:02d}.bin")
+        parts[-1].write_bytes(chunk)
+    data = b"".join(chunks)
+    packed = default_pair.PackedModel(
+        name="Fake-0.1B", dist_prefix="fake-part", num_parts=3, version="0.0.1", size=len(data),
+        sha256=sha or hashlib.sha256(data).hexdigest(),
+    )
+    monkeypatch.setattr(default_pair, "find_parts", lambda p: parts)
+    return packed, data
+
+
+def test_assemble_concatenates_in_order_once(tmp_path, monkeypatch):
+    packed, data = _fake_packed(tmp_path, monkeypatch)
+    out = default_pair.assemble(packed, progress=False)
+    assert out.read_bytes() == data and out.parent == default_pair.cache_dir() / "gguf"
+    monkeypatch.setattr(default_pair, "find_parts", lambda p: pytest.fail("re-assembled"))
+    assert default_pair.assemble(packed, progress=False) == out  # the marker vouches for it
+    assert default_pair.verified_sha256(out) == packed.sha256
+
+
+def test_assemble_rejects_a_wrong_checksum_and_leaves_nothing(tmp_path, monkeypatch):
+    packed, _ = _fake_packed(tmp_path, monkeypatch, sha="0" * 64)
+    with pytest.raises(RuntimeError, match="sha256"):
+        default_pair.assemble(packed, progress=False)
+    assert list((default_pair.cache_dir() / "gguf").iterdir()) == []

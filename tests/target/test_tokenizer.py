@@ -1,4 +1,4 @@
-"""Streaming detokenization and chat templates (specdec.target.tokenizer) on a tiny local tokenizer."""
+"""Streaming detokenization and chat templates (specdec.target.tokenizer), tiny local tokenizer."""
 
 from __future__ import annotations
 

@@ -1,0 +1,74 @@
+"""`specdec serve`: the OpenAI-compatible server (chat + completions, SSE streaming, metrics, page).
+
+The models load on the engine thread while the server already listens, so `GET /health` answers
+503 until they are ready; if loading fails the server logs why and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger("specdec.api")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from specdec.api.cli import add_engine_args
+
+    p = sub.add_parser("serve", help="serve the OpenAI API (chat/completions, streaming) over HTTP")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDEC_API_KEY; "
+                        "none: open)")
+    p.add_argument("--max-concurrent", type=int, default=64,
+                   help="requests admitted at once; more are answered 429 at once")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: the target's name)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def served_name(target: str) -> str:
+    """`default-target` -> itself; `/models/qwen-1.5b/` -> `qwen-1.5b`; `org/name` -> as is."""
+    path = Path(target)
+    if path.suffix.lower() == ".gguf":
+        return path.stem
+    return path.name if path.exists() else target
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdec.api.cli import engine_config_from_args
+    from specdec.api.server import create_app
+    from specdec.api.state import ServerSettings
+    from specdec.engine import Engine
+
+    config = engine_config_from_args(args)  # bad flags fail here, before anything listens
+    failed: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_dead(message: str) -> None:
+        failed.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    settings = ServerSettings(
+        model_name=args.served_model_name or served_name(config.target), api_key=args.api_key,
+        max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes, on_load_error=on_dead,
+    )
+    app = create_app(lambda: Engine(config), settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    logger.info("serving %r on http://%s:%d (the chat page is at /; /health is 503 while the models load)",
+                settings.model_name, args.host, args.port)
+    server.run()
+    if failed:
+        logger.error("specdec serve stopped: %s", failed[0])
+        return 1
+    return 0

@@ -1,0 +1,118 @@
+"""What one server holds: its settings, the engine loop, metrics, the concurrency limit, and prompt
+tokenization (chat template / text / token ids), all checked before a request reaches the engine."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from specdec.api.engine_loop import AsyncEngine, EngineInfo
+from specdec.api.errors import APIError
+from specdec.api.metrics import ServerMetrics
+
+
+@dataclass
+class ServerSettings:
+    """How the server behaves (the engine's own settings live in EngineConfig)."""
+
+    model_name: str = "specdec"
+    api_key: str | None = None
+    max_concurrent: int = 64
+    max_body_bytes: int = 1 << 20
+    ping_seconds: float = 15.0
+    on_load_error: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be at least 1, got {self.max_concurrent}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+
+
+class ConcurrencyLimiter:
+    """Admits at most `limit` requests at once; used from the event loop thread only."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.active = limit, 0
+
+    def try_acquire(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        return True
+
+    def release(self) -> None:
+        assert self.active > 0, "released more slots than acquired"
+        self.active -= 1
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings, engine: AsyncEngine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.metrics = ServerMetrics(engine)
+        self.limiter = ConcurrencyLimiter(settings.max_concurrent)
+        self._tokenizer: Any = None
+
+    def info(self) -> EngineInfo:
+        """The loaded engine's facts; 503 while loading or after the engine loop died."""
+        if self.engine.error is not None:
+            raise APIError(503, f"the engine is not running: {self.engine.error}", code="engine_dead")
+        if self.engine.info is None:
+            raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
+                           headers={"Retry-After": "5"})
+        return self.engine.info
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise APIError(404, f"The model {model!r} does not exist; this server serves "
+                           f"{self.settings.model_name!r}.", "model", "model_not_found")
+
+    @property
+    def tokenizer(self) -> Any:
+        """The API's own copy of the tokenizer: HF fast tokenizers must not be used from two
+        threads at once, and the engine thread detokenizes with the original."""
+        info = self.info()
+        if self._tokenizer is None and info.tokenizer is not None:
+            try:
+                self._tokenizer = copy.deepcopy(info.tokenizer)
+            except Exception:  # noqa: BLE001 - an uncopyable tokenizer is still usable
+                self._tokenizer = info.tokenizer
+        return self._tokenizer
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        tokenizer = self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages",
+                           "no_chat_template")
+        try:
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
+            raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
+        return self._checked(list(ids), "messages")
+
+    def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            tokenizer = self.tokenizer
+            if tokenizer is None:
+                raise APIError(400, "this model has no tokenizer; send the prompt as token ids", "prompt")
+            prompt = tokenizer.encode(prompt, add_special_tokens=False)
+        return self._checked(list(prompt), "prompt")
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise APIError(400, "the prompt is empty", param)
+        vocab = self.info().vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param, "invalid_token_id")
+        return ids
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.specdec

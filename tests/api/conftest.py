@@ -1,0 +1,135 @@
+"""A real uvicorn server on loopback, serving a tiny random engine, started and stopped by the tests."""
+
+from __future__ import annotations
+
+import copy
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from specdec.api.server import create_app
+from specdec.api.state import ServerSettings
+from specdec.config import EngineConfig
+from specdec.engine import Engine
+from specdec.testing import tiny_engine_parts
+
+MODEL = "tiny"
+
+
+def noisy_twin(model: torch.nn.Module, sigma: float = 0.006, seed: int = 0) -> torch.nn.Module:
+    """A draft that agrees with `model` about half the time (greedy), so every token origin shows up:
+    accepted drafts, corrections by the target and bonus tokens."""
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in twin.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * sigma)
+    return twin
+
+
+@pytest.fixture(scope="session")
+def tiny_parts():
+    target, _, tokenizer = tiny_engine_parts()
+    return target, noisy_twin(target), tokenizer
+
+
+@pytest.fixture(scope="session")
+def make_engine(tiny_parts) -> Callable[..., Engine]:
+    """Engine factory over the shared tiny pair: each call builds fresh KV pools and scheduler."""
+    target, draft, tokenizer = tiny_parts
+
+    def make(**overrides: Any) -> Engine:
+        kwargs = dict(dtype="float32", num_blocks=256, block_size=8, num_speculative_tokens=4, max_num_seqs=16)
+        kwargs.update(overrides)
+        return Engine.from_models(EngineConfig(**kwargs), target, draft, tokenizer)
+
+    return make
+
+
+class ServerThread:
+    """uvicorn in a background thread on 127.0.0.1:<free port>; a context manager."""
+
+    def __init__(self, app, wait: bool = True) -> None:
+        self.app, self.wait = app, wait
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        if self.wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while httpx.get(self.url + "/health").status_code != 200:
+            assert time.monotonic() < deadline, "the server never became healthy"
+            time.sleep(0.02)
+
+    @property
+    def engine(self):
+        return self.app.state.specdec.engine
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="session")
+def serve() -> Callable[..., ServerThread]:
+    """`with serve(engine_or_factory, **settings) as srv:` -> a running server, healthy unless
+    `wait=False`."""
+
+    def start(engine, wait: bool = True, **settings: Any) -> ServerThread:
+        settings.setdefault("model_name", MODEL)
+        return ServerThread(create_app(engine, ServerSettings(**settings)), wait)
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def server(serve, make_engine) -> Iterator[ServerThread]:
+    """One shared server for a test module: no API key, generous limits."""
+    with serve(make_engine()) as srv:
+        yield srv
+
+
+def kv_used(srv: ServerThread) -> dict[str, int]:
+    """Blocks in use per pool, as /metrics reports them."""
+    text = httpx.get(srv.url + "/metrics").text
+    used = {}
+    for line in text.splitlines():
+        if line.startswith("specdec_kv_blocks{") and 'state="used"' in line:
+            pool = line.split('pool="')[1].split('"')[0]
+            used[pool] = int(float(line.rsplit(" ", 1)[1]))
+    return used
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+def chat_body(content: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}

