@@ -27,6 +27,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget for both models together, in GiB")
     g.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV cache dtype: the model's, or fp8 (e4m3)")
+    g.add_argument("--target-quant", choices=["none", "int4", "auto"], default="none",
+                   help="CPU weight-only quantization of the target (auto: int4 where the weights "
+                        "sit on a 4-bit grid, as GGUF Q4_K does, else dense; int4: every linear); "
+                        "cached after first use")
+    g.add_argument("--draft-quant", choices=["none", "int4", "auto"], default="none",
+                   help="the same for the draft model")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
 
@@ -44,6 +50,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_dtype=args.kv_dtype,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        target_quant=args.target_quant,
+        draft_quant=args.draft_quant,
     )
 
 

@@ -21,14 +21,14 @@ from sse_starlette import EventSourceResponse
 from specdec.api.engine_loop import EngineDeadError, GenerationRequest, RequestStream
 from specdec.api.errors import APIError, error_body
 from specdec.api.protocol import ChatFormat, CompletionFormat, ResponseFormat, Usage
-from specdec.api.schemas import ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from specdec.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _GenerationRequest
 from specdec.api.state import ServerState, server_state
 from specdec.sequence import StepDelta
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", tags=["openai"])
+@router.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = server_state(request)
     state.check_model(body.model)
@@ -37,7 +37,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     return await _generate(request, state, body, prompt_ids, fmt, "messages")
 
 
-@router.post("/v1/completions", tags=["openai"])
+@router.post("/v1/completions", tags=["openai"], responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = server_state(request)
     state.check_model(body.model)
@@ -66,7 +66,7 @@ async def _generate(
     if body.stream:
         return _ClosingEventSource(
             _sse_events(active, stream, fmt), on_close=lambda: active.close("aborted"),
-            ping=state.settings.ping_seconds, sep="\n",
+            ping=state.settings.ping_seconds, send_timeout=state.settings.send_timeout_seconds, sep="\n",
         )
     return await _collect(request, active, stream, fmt)
 
@@ -157,7 +157,8 @@ async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: Respons
         yield "[DONE]"
     except (EngineDeadError, ValueError) as exc:
         active.close("error")
-        yield {"event": "error", "data": json.dumps(error_body(str(exc), "server_error", code="engine_error"))}
+        error = _engine_error(exc)
+        yield {"event": "error", "data": json.dumps(error_body(error.message, error.type, error.param, error.code))}
         yield "[DONE]"
     finally:  # cancelled by a disconnect, or closed mid-stream: abort at once
         active.close("aborted")
@@ -181,13 +182,20 @@ async def _collect(request: Request, active: ActiveRequest, stream: RequestStrea
             consumer.result()
         except (EngineDeadError, ValueError) as exc:
             active.close("error")
-            raise APIError(503, f"the engine failed while generating: {exc}", code="engine_error") from exc
+            raise _engine_error(exc) from exc
         active.close("stop")
         return fmt.response("".join(texts), active.finish_reason or "stop", active.usage, active.extension())
     finally:
         consumer.cancel()
         disconnect.cancel()
         active.close("aborted")
+
+
+def _engine_error(exc: Exception) -> APIError:
+    """A request the engine refused (ValueError) is the client's fault; a dead engine is ours."""
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine stopped while generating: {exc}", type="server_error", code="engine_error")
+    return APIError(400, str(exc), code="invalid_value")
 
 
 async def _client_gone(request: Request) -> None:

@@ -8,6 +8,7 @@ client never sees a bare HTML or `{"detail": ...}` page.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -67,25 +68,25 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
-def install_error_handlers(app: FastAPI, on_error=None) -> None:
-    """Register the handlers; `on_error(status)` is told about each error response (metrics)."""
+def install_error_handlers(app: FastAPI, on_error: Callable[[int, str], None] | None = None) -> None:
+    """Register the handlers; `on_error(status, path)` is told about each error response (metrics)."""
 
-    def _answer(exc: APIError) -> JSONResponse:
+    def _answer(request: Request, exc: APIError) -> JSONResponse:
         if on_error is not None:
-            on_error(exc.status_code)
+            on_error(exc.status_code, request.url.path)
         return error_response(exc)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _answer(validation_error(exc))
+        return _answer(request, validation_error(exc))
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc, APIError):
-            return _answer(exc)
-        return _answer(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
+            return _answer(request, exc)
+        return _answer(request, APIError(exc.status_code, str(exc.detail), headers=exc.headers))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return _answer(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+        return _answer(request, APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

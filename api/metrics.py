@@ -47,8 +47,10 @@ class ServerMetrics:
         self.generated_tokens = Counter("specdec_generation_tokens", "Tokens streamed to clients", registry=r)
         r.register(_EngineCollector(engine))
 
-    def record_status(self, status: int) -> None:
-        """Count a request answered with an error status."""
+    def record_status(self, status: int, path: str) -> None:
+        """Count a generation request (a /v1/ path) answered with an error status."""
+        if not path.startswith("/v1/"):
+            return
         if status >= 500 and status != 503:
             self.requests.labels("error").inc()
         else:

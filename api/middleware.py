@@ -21,7 +21,7 @@ class ApiKeyMiddleware:
     about how much of a guessed key was right.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[int], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[int, str], None] | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
         self.on_reject = on_reject
@@ -35,7 +35,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         if self.on_reject is not None:
-            self.on_reject(401)
+            self.on_reject(401, scope["path"])
         message = "missing API key" if not provided else "invalid API key"
         response = error_response(APIError(
             401, f"{message}: send 'Authorization: Bearer <key>'", code="invalid_api_key",
@@ -48,7 +48,7 @@ class BodyLimitMiddleware:
     """413 for request bodies over `max_bytes`: at once from Content-Length, else while reading
     (chunked uploads), by failing the body read with an `APIError` that the handlers answer."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, on_reject: Callable[[int, str], None] | None = None) -> None:
         self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -58,7 +58,7 @@ class BodyLimitMiddleware:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
             if self.on_reject is not None:
-                self.on_reject(413)
+                self.on_reject(413, scope["path"])
             await error_response(self._too_large())(scope, receive, send)
             return
         received = 0

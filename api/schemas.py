@@ -17,6 +17,32 @@ from specdec.sampling_params import MAX_STOP_STRINGS, SamplingParams
 _FLOAT = dict(allow_inf_nan=False)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer, as OpenAI sends it."""
+
+    error: ErrorDetail
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "invalid JSON or parameters, or prompt + max_tokens over the context length"),
+        (401, "missing or wrong API key (when the server has one)"),
+        (404, "unknown model"),
+        (413, "request body too large"),
+        (429, "--max-concurrent requests are already running"),
+        (503, "the model is loading, or the engine stopped"),
+    )
+}
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -40,7 +66,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # specdec extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # any k >= vocab size means off
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0, le=16)
 

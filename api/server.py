@@ -56,7 +56,23 @@ def create_app(engine: Any | Callable[[], Any] | AsyncEngine, settings: ServerSe
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, on_reject=state.metrics.record_status)
     app.include_router(completions_router)
     _add_service_routes(app, state)
+    app.openapi = _openapi_without_422(app)
     return app
+
+
+def _openapi_without_422(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """FastAPI documents validation errors as 422; this server answers them with 400."""
+    original = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = original()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+        return app.openapi_schema
+
+    return openapi
 
 
 def _add_service_routes(app: FastAPI, state: ServerState) -> None:

@@ -23,7 +23,8 @@ class ServerSettings:
     api_key: str | None = None
     max_concurrent: int = 64
     max_body_bytes: int = 1 << 20
-    ping_seconds: float = 15.0
+    ping_seconds: float = 15.0  # SSE keep-alive comments; a failed ping notices a dead client
+    send_timeout_seconds: float = 60.0  # a client that stops reading for this long is dropped
     on_load_error: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:

@@ -40,7 +40,9 @@ class AcceptanceOptions:
             raise ValueError("--limit must be positive")
 
 
-def run_cell(engine, prompts: list[EncodedPrompt], k: int, temperature: float, opts: AcceptanceOptions, bar) -> dict:
+def run_cell(
+    engine, prompts: list[EncodedPrompt], k: int, temperature: float, opts: AcceptanceOptions, bar
+) -> dict:
     """All prompts at one (temperature, k); the seed of prompt i is `seed + i` whatever k is."""
     traces, steps = [], []
     for i, prompt in enumerate(prompts):
@@ -90,7 +92,8 @@ def evaluate(engine, opts: AcceptanceOptions) -> list[dict]:
                     cell = {"dataset": name, **run_cell(engine, prompts, k, temperature, opts, bar)}
                     baseline = baseline or cell
                     cell["target_tokens_per_s"] = baseline["tokens_per_s"]
-                    cell["speedup"] = cell["tokens_per_s"] / baseline["tokens_per_s"] if baseline["tokens_per_s"] else None
+                    base_tps = baseline["tokens_per_s"]
+                    cell["speedup"] = cell["tokens_per_s"] / base_tps if base_tps else None
                     if k > 0 and temperature == 0:
                         cell["greedy_matches_target"] = cell["token_ids"] == baseline["token_ids"]
                     cells.append(cell)
@@ -103,7 +106,8 @@ def evaluate(engine, opts: AcceptanceOptions) -> list[dict]:
 
 
 def table(cells: list[dict]) -> str:
-    headers = ["dataset", "T", "k", "alpha", "tau", "tau from alpha", "p/token", "tok/s", "target tok/s", "speedup"]
+    headers = ["dataset", "T", "k", "alpha", "tau", "tau from alpha", "p/token", "tok/s", "target tok/s",
+               "speedup"]
     rows = []
     for c in cells:
         if c["k"] == 0:
@@ -158,7 +162,8 @@ def plot_tau_speedup(cells: list[dict], path: Path) -> Path:
         ax_tau.plot(ks, [c["acceptance"]["tau_predicted"] for c in group], linestyle="--",
                     color=line.get_color(), label=f"{label} from alpha")
         ax_speed.plot(ks, [c["speedup"] or 0.0 for c in group], marker="o", label=label)
-    ax_tau.set(title="mean accepted length tau (bonus included)", xlabel="k (draft tokens)", ylabel="tokens per target pass")
+    ax_tau.set(title="mean accepted length tau (bonus included)", xlabel="k (draft tokens)",
+               ylabel="tokens per target pass")
     ax_speed.set(title="speedup over target-only", xlabel="k (draft tokens)", ylabel="x target-only tokens/s")
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
     for ax in (ax_tau, ax_speed):
@@ -176,7 +181,9 @@ def _groups(cells: list[dict]) -> dict[tuple[str, float], list[dict]]:
     return groups
 
 
-def write_report(out: Path, meta: dict, opts: AcceptanceOptions, engine_config, cells: list[dict]) -> list[Path]:
+def write_report(
+    out: Path, meta: dict, opts: AcceptanceOptions, engine_config, cells: list[dict]
+) -> list[Path]:
     payload = {"meta": meta, "options": asdict(opts), "engine": asdict(engine_config), "results": cells}
     files = [report.write_json(out / "acceptance.json", payload)]
     files.append(report.write_markdown(out / "acceptance.md", "Draft acceptance", meta, [

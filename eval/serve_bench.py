@@ -29,6 +29,7 @@ class ServeBenchOptions:
     base_url: str = "http://127.0.0.1:8000"
     endpoint: str = "/v1/completions"
     model: str | None = None
+    dataset_path: Path | None = None
     tokenizer: str = "default-target"
     request_rates: list[float] = field(default_factory=lambda: [0.1, 0.2, 0.5])
     burstiness: float = 1.0
@@ -67,7 +68,10 @@ def arrival_offsets(n: int, rate: float, burstiness: float, rng: np.random.Gener
     return [0.0, *np.cumsum(gaps).tolist()][:n]
 
 
-def payload(opts: ServeBenchOptions, model: str, request: SampledRequest, max_tokens: int | None = None) -> dict:
+def payload(
+    opts: ServeBenchOptions, model: str, request: SampledRequest, max_tokens: int | None = None
+) -> dict:
+    """The OpenAI request body: greedy by default, streamed, with usage in the last chunk."""
     body: dict = {
         "model": model, "max_tokens": max_tokens or request.output_len, "temperature": opts.temperature,
         "stream": True, "stream_options": {"include_usage": True},
@@ -154,7 +158,9 @@ async def _server_model(client, opts: ServeBenchOptions) -> str:
     try:
         response = await client.get("/v1/models")
     except httpx.HTTPError as error:
-        raise ValueError(f"no server answers at {opts.base_url} ({error}); start one with `specdec serve`") from None
+        raise ValueError(
+            f"no server answers at {opts.base_url} ({error}); start one with `specdec serve`"
+        ) from None
     if opts.model:
         return opts.model
     try:
@@ -168,9 +174,11 @@ async def run_all(opts: ServeBenchOptions, requests: list[SampledRequest], count
     from tqdm.auto import tqdm
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=opts.base_url, timeout=opts.timeout, limits=limits, trust_env=False) as client:
+    client = httpx.AsyncClient(base_url=opts.base_url, timeout=opts.timeout, limits=limits, trust_env=False)
+    async with client:
         model = await _server_model(client, opts)
-        check = await send_request(client, opts.endpoint, payload(opts, model, requests[0], 4), requests[0], count_tokens)
+        probe = payload(opts, model, requests[0], max_tokens=4)
+        check = await send_request(client, opts.endpoint, probe, requests[0], count_tokens)
         if not check.success:
             raise ValueError(f"the test request to {opts.base_url}{opts.endpoint} failed: {check.error}")
         runs = []
@@ -194,7 +202,8 @@ def benchmark(opts: ServeBenchOptions) -> dict:
     """Sample the requests, then run every rate against the server."""
     tokenizer = load_tokenizer(opts.tokenizer)
     requests = sample_sharegpt(
-        lambda s: tokenizer(s).input_ids, opts.limit, opts.seed, opts.output_len, opts.max_prompt_len
+        lambda s: tokenizer(s).input_ids, opts.limit, opts.seed, opts.output_len, opts.max_prompt_len,
+        path=opts.dataset_path,
     )
     if not requests:
         raise ValueError("no ShareGPT request passes the filters; raise --max-prompt-len")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PROPOSERS = ("draft", "ngram", "none")
+QUANT_MODES = ("none", "int4", "auto")
 KV_DTYPES = ("auto", "fp8")
 
 
@@ -28,6 +29,8 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides the memory budget (both pools get this many)
     max_num_seqs: int = 16
     max_model_len: int | None = None
+    target_quant: str = "none"  # CPU weight-only quantization of the target's linears
+    draft_quant: str = "none"
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -42,6 +45,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        for name in ("target_quant", "draft_quant"):
+            if getattr(self, name) not in QUANT_MODES:
+                raise ValueError(f"{name} must be one of {QUANT_MODES}, got {getattr(self, name)!r}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be positive")
         if self.max_num_seqs < 1:

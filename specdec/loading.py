@@ -27,12 +27,12 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     t0 = time.perf_counter()
     target_dir = resolve_model(config.target)
     tokenizer = load_tokenizer(target_dir)
-    target = load_model(target_dir, dtype, device)
+    target = load_model(target_dir, dtype, device, config.target_quant)
     draft = None
     if config.speculative and config.proposer == "draft":
         draft_dir = resolve_model(config.draft)
         check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), config)
-        draft = load_model(draft_dir, dtype, device)
+        draft = load_model(draft_dir, dtype, device, config.draft_quant)
         if draft.config.vocab_size != target.config.vocab_size:
             raise TokenizerMismatchError(
                 f"draft vocab {draft.config.vocab_size} != target vocab {target.config.vocab_size}"

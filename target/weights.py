@@ -28,8 +28,38 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    quant: str = "none",
 ) -> LlamaForCausalLM:
+    """Build the model from a local HF folder; `quant` int4/auto quantizes its linears (CPU).
+
+    A quantized model is cached after the first load (see `quant_cache`), so later loads read the
+    quantized bytes directly.
+    """
+    if quant != "none":
+        return _load_quantized(Path(model_dir), dtype, device, quant)
+    return _load_dense(Path(model_dir), dtype, device)
+
+
+def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> LlamaForCausalLM:
+    from specdec.target.quant import quantize_model
+    from specdec.target.quant_cache import load_quantized, quant_cache_path, save_quantized
+
+    if torch.device(device).type != "cpu":
+        raise ValueError("the weight-only int4 kernel is CPU only; use quantization 'none' on GPU")
+    path = quant_cache_path(model_dir, quant, dtype)
+    if path.exists():
+        with torch.device("meta"):
+            model = LlamaForCausalLM(load_config(model_dir))
+        model = load_quantized(model, path)
+        return _finish(model, device)
+    model = _load_dense(model_dir, dtype, device)
+    quantize_model(model, quant)
+    save_quantized(model, path)
+    return model
+
+
+def _load_dense(model_dir: Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
     """Instantiate the model without initialising weights, then fill it from the safetensors files."""
     config = load_config(model_dir)
     with torch.device("meta"):
@@ -57,6 +87,12 @@ def load_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     if missing:
         raise ValueError(f"{model_dir} lacks weights: {sorted(missing)[:5]}...")
+    return _finish(model, device)
+
+
+def _finish(model: LlamaForCausalLM, device) -> LlamaForCausalLM:
+    """Rebuild the (non-persistent) rope tables on a real device; eval mode."""
+    config = model.config
     model.rotary = model.rotary.__class__(config.hf_config, config.head_dim, model.max_positions)
     return model.to(device).eval()
 

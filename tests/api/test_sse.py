@@ -136,3 +136,22 @@ def test_non_streaming_body_shape(server, path):
     assert set(out) == {"id", "object", "created", "model", "choices", "usage", "specdec"}
     assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
     assert set(out["specdec"]) == {"drafted", "accepted", "acceptance_rate"}
+
+
+class RefusingEngine(ExplodingEngine):
+    """Refuses every request in `add_request`, as the engine does for requests it can never run."""
+
+    def add_request(self, *args, **kwargs):
+        raise ValueError("refused by the engine")
+
+
+def test_request_refused_by_the_engine_is_a_client_error_and_the_engine_lives_on(serve, make_engine):
+    with serve(RefusingEngine(make_engine(), after=10**9)) as srv:
+        plain = httpx.post(srv.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=30)
+        error = plain.json()["error"]
+        assert plain.status_code == 400 and error["message"] == "refused by the engine"
+        _, events = sse_events(srv, "/v1/chat/completions", chat_body(max_tokens=4, stream=True))
+        assert [name for name, _ in events][-2:] == ["error", None] and events[-1][1] == "[DONE]"
+        assert json.loads(events[-2][1])["error"]["type"] == "invalid_request_error"
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert srv.app.state.specdec.limiter.active == 0

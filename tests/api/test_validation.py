@@ -45,6 +45,7 @@ CASES = [
     ("top_p zero", CHAT, chat_body(top_p=0), 400, "top_p", "?"),
     ("top_p above one", COMPLETIONS, completion_body(top_p=1.5), 400, "top_p", "?"),
     ("top_k below -1", CHAT, chat_body(top_k=-2), 400, "top_k", "?"),
+    ("top_k past int64 (would crash the engine step)", CHAT, chat_body(top_k=2**64), 400, "top_k", "?"),
     ("max_tokens zero", CHAT, chat_body(max_tokens=0), 400, "max_tokens", "?"),
     ("max_tokens negative", COMPLETIONS, completion_body(max_tokens=-5), 400, "max_tokens", "?"),
     ("max_tokens over context", CHAT, chat_body(max_tokens=10**6), 400, "max_tokens", "context_length_exceeded"),

