@@ -21,7 +21,7 @@ from sse_starlette import EventSourceResponse
 from specdec.api.engine_loop import EngineDeadError, GenerationRequest, RequestStream
 from specdec.api.errors import APIError, error_body
 from specdec.api.protocol import ChatFormat, CompletionFormat, ResponseFormat, Usage
-from specdec.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, _GenerationRequest
+from specdec.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, GenerationFields
 from specdec.api.state import ServerState, server_state
 from specdec.sequence import StepDelta
 
@@ -47,7 +47,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 
 
 async def _generate(
-    request: Request, state: ServerState, body: _GenerationRequest, prompt_ids: list[int],
+    request: Request, state: ServerState, body: GenerationFields, prompt_ids: list[int],
     fmt: ResponseFormat, prompt_param: str,
 ) -> Any:
     max_tokens = _max_tokens(body.requested_max_tokens(), len(prompt_ids), state.info().max_model_len, prompt_param)
@@ -61,8 +61,8 @@ async def _generate(
             GenerationRequest(fmt.id, prompt_ids, params, body.num_speculative_tokens)
         )
     except EngineDeadError as exc:
-        active.close("error")
-        raise APIError(503, f"the engine is not running: {exc}") from exc
+        active.close(None)
+        raise APIError(503, f"the engine is not running: {exc}", code="engine_dead") from exc
     if body.stream:
         return _ClosingEventSource(
             _sse_events(active, stream, fmt), on_close=lambda: active.close("aborted"),
@@ -131,15 +131,18 @@ class ActiveRequest:
         rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
         return {"drafted": self.num_drafted, "accepted": self.num_accepted, "acceptance_rate": rate}
 
-    def close(self, outcome: str) -> None:
-        """Release the slot and, if the engine still runs this request, abort it. Idempotent."""
+    def close(self, outcome: str | None) -> None:
+        """Release the slot and, if the engine still runs this request, abort it; count the
+        outcome (the finish reason if it finished; None: an error answer, counted by its handler).
+        Idempotent."""
         if self.closed:
             return
         self.closed = True
         if self.finish_reason is None:
             self.state.engine.abort(self.request_id)
         self.state.limiter.release()
-        self.state.metrics.requests.labels(self.finish_reason or outcome).inc()
+        if self.finish_reason or outcome:
+            self.state.metrics.requests.labels(self.finish_reason or outcome).inc()
 
 
 async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[Any]:
@@ -156,7 +159,7 @@ async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: Respons
         active.close("stop")
         yield "[DONE]"
     except (EngineDeadError, ValueError) as exc:
-        active.close("error")
+        active.close("invalid" if isinstance(exc, ValueError) else "error")
         error = _engine_error(exc)
         yield {"event": "error", "data": json.dumps(error_body(error.message, error.type, error.param, error.code))}
         yield "[DONE]"
@@ -181,7 +184,7 @@ async def _collect(request: Request, active: ActiveRequest, stream: RequestStrea
         try:
             consumer.result()
         except (EngineDeadError, ValueError) as exc:
-            active.close("error")
+            active.close(None)  # the error handler counts the answer
             raise _engine_error(exc) from exc
         active.close("stop")
         return fmt.response("".join(texts), active.finish_reason or "stop", active.usage, active.extension())
@@ -194,7 +197,7 @@ async def _collect(request: Request, active: ActiveRequest, stream: RequestStrea
 def _engine_error(exc: Exception) -> APIError:
     """A request the engine refused (ValueError) is the client's fault; a dead engine is ours."""
     if isinstance(exc, EngineDeadError):
-        return APIError(503, f"the engine stopped while generating: {exc}", type="server_error", code="engine_error")
+        return APIError(500, f"the engine stopped while generating: {exc}", type="server_error", code="engine_error")
     return APIError(400, str(exc), code="invalid_value")
 
 

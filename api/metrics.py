@@ -44,7 +44,8 @@ class ServerMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generated_tokens = Counter("specdec_generation_tokens", "Tokens streamed to clients", registry=r)
+        self.generated_tokens = Counter(
+            "specdec_generation_tokens", "Tokens generated for clients (EOS not counted)", registry=r)
         r.register(_EngineCollector(engine))
 
     def record_status(self, status: int, path: str) -> None:

@@ -38,6 +38,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
         (404, "unknown model"),
         (413, "request body too large"),
         (429, "--max-concurrent requests are already running"),
+        (500, "the engine failed while generating this request"),
         (503, "the model is loading, or the engine stopped"),
     )
 }
@@ -47,7 +48,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class GenerationFields(BaseModel):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -139,7 +140,7 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -174,7 +175,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationFields):
     """POST /v1/completions. One prompt per request: text, or a list of token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]

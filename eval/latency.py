@@ -208,8 +208,9 @@ def write_report(out: Path, meta: dict, opts: LatencyOptions, engine_config, res
     sections = [(
         "Batch-1 decoding",
         table(result) + f"\n\n{n} {opts.dataset} prompts, greedy, {max_tokens} new tokens each (EOS "
-        f"ignored), {result['threads']} threads, dtype {engine_config.dtype}. TTFT: request to first "
-        "token; TPOT: (E2E - TTFT) / (tokens - 1); ITL: gaps between streamed chunks (a speculative "
+        f"ignored), {result['threads']} threads, dtype {engine_config.dtype}; our engine's weight "
+        f"quantization: target {engine_config.target_quant}, draft {engine_config.draft_quant} "
+        "(transformers runs the same weights dense). TTFT: request to first token; TPOT: (E2E - TTFT) / (tokens - 1); ITL: gaps between streamed chunks (a speculative "
         "chunk carries several tokens); TBT: each chunk's gap shared by its tokens. 'same tokens': "
         "share of prompts whose output equals our target-only output.",
     )]

@@ -103,7 +103,7 @@ def _choose(linear: nn.Linear, mode: str) -> nn.Module:
     return linear
 
 
-def quantize_model(model: nn.Module, mode: str) -> dict[str, int]:
+def quantize_model(model: nn.Module, mode: str, progress: bool = True) -> dict[str, int]:
     """Replace projections and the LM head by int4 linears in place; returns how many of each.
 
     The embedding stays as it is (a lookup reads one row per token). CPU only.
@@ -118,8 +118,11 @@ def quantize_model(model: nn.Module, mode: str) -> dict[str, int]:
     if getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.model.embed_tokens.weight:
         model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
         model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone(), False)
+    from tqdm.auto import tqdm
+
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name, linear in targets:
+    for name, linear in tqdm(targets, desc="quantizing to int4 (once; cached)", unit="linear",
+                             leave=False, disable=not progress):
         new = _choose(linear, mode)
         counts["int4" if isinstance(new, Int4Linear) else "dense"] += 1
         parent, _, attr = name.rpartition(".")

@@ -42,6 +42,7 @@ def save_quantized(model: LlamaForCausalLM, path: Path) -> None:
     os.close(fd)
     try:
         save_file(state, tmp, metadata={"manifest": json.dumps(manifest)})
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

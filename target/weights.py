@@ -53,10 +53,23 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
             model = LlamaForCausalLM(load_config(model_dir))
         model = load_quantized(model, path)
         return _finish(model, device)
-    model = _load_dense(model_dir, dtype, device)
+    # Quantize from fp32: a bf16 copy would knock Q4_K weights off their 4-bit grid.
+    model = _load_dense(model_dir, torch.float32, device)
     quantize_model(model, quant)
+    _cast_dense(model, dtype)
     save_quantized(model, path)
     return model
+
+
+def _cast_dense(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast every parameter outside the int4 linears (they keep their bf16 scales and bias)."""
+    from specdec.target.quant import Int4Linear
+
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
 
 
 def _load_dense(model_dir: Path, dtype: torch.dtype, device) -> LlamaForCausalLM:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import socket
 import threading
 import time
@@ -21,6 +22,20 @@ from specdec.engine import Engine
 from specdec.testing import tiny_engine_parts
 
 MODEL = "tiny"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _loopback_bypasses_proxies():
+    """Test clients (httpx, openai, selenium) talk to 127.0.0.1 directly even where a proxy is set."""
+    saved = {k: os.environ.get(k) for k in ("NO_PROXY", "no_proxy")}
+    for key, value in saved.items():
+        os.environ[key] = ",".join(filter(None, [value, "127.0.0.1,localhost"]))
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def noisy_twin(model: torch.nn.Module, sigma: float = 0.006, seed: int = 0) -> torch.nn.Module:
@@ -120,6 +135,14 @@ def kv_used(srv: ServerThread) -> dict[str, int]:
             pool = line.split('pool="')[1].split('"')[0]
             used[pool] = int(float(line.rsplit(" ", 1)[1]))
     return used
+
+
+def metric(srv: ServerThread, sample: str) -> float:
+    """The value of one sample of /metrics, e.g. `specdec_requests_total{outcome="aborted"}`."""
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(sample)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:

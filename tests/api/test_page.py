@@ -30,7 +30,7 @@ def browser(tmp_path):
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1100,800", f"--user-data-dir={tmp_path / 'profile'}"):
+                 "--disable-dev-shm-usage", "--no-proxy-server", "--window-size=1100,800", f"--user-data-dir={tmp_path / 'profile'}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)
@@ -68,11 +68,12 @@ def test_page_streams_a_colored_reply(serve, make_engine, browser):
             return browser.find_element(By.ID, "status").get_attribute("data-state") in ("done", "error")
         _wait(finished)
         assert browser.find_element(By.ID, "status").get_attribute("data-state") == "done"
-        assert len([c for c in counts if 0 < c < 96]) >= 3, f"the reply did not stream: {sorted(counts)}"
-
         spans = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .tok")
+        assert len(spans) >= 24, "a greedy reply of up to 96 tokens"
+        partial = [c for c in counts if 0 < c < len(spans)]
+        assert len(partial) >= 3, f"the reply did not stream: span counts seen {sorted(counts)}"
+
         origins = [s.get_attribute("data-origin") for s in spans]
-        assert len(spans) == 96
         assert {"accepted", "recovered", "bonus"} <= set(origins)
         colors = {o: s.value_of_css_property("color") for s, o in zip(spans, origins)}
         assert len({colors["accepted"], colors["recovered"], colors["bonus"]}) == 3, colors

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from .conftest import MODEL, chat_body, wait_until
+from .conftest import MODEL, chat_body, metric, wait_until
 
 ORIGINS = {"accepted", "recovered", "bonus", "target"}
 
@@ -116,16 +116,19 @@ def test_engine_failure_mid_stream_is_an_error_event_and_health_turns_503(serve,
         assert health.status_code == 503 and "simulated device failure" in health.json()["error"]
         later = httpx.post(srv.url + "/v1/chat/completions", json=chat_body(max_tokens=4))
         assert later.status_code == 503 and later.json()["error"]["type"] == "service_unavailable"
-        assert "specdec_engine_up 0.0" in httpx.get(srv.url + "/metrics").text
+        assert metric(srv, "specdec_engine_up") == 0
+        assert metric(srv, 'specdec_requests_total{outcome="error"}') == 1
+        assert metric(srv, 'specdec_requests_total{outcome="unavailable"}') == 1
 
 
 def test_engine_failure_fails_a_waiting_non_streaming_request(serve, make_engine):
     with serve(ExplodingEngine(make_engine(), after=2)) as srv:
         response = httpx.post(srv.url + "/v1/completions", timeout=30,
                               json={"model": MODEL, "prompt": "x", "max_tokens": 100, "ignore_eos": True})
-        assert response.status_code == 503
+        assert response.status_code == 500 and response.json()["error"]["code"] == "engine_error"
         assert "simulated device failure" in response.json()["error"]["message"]
         assert wait_until(lambda: srv.engine.error is not None)
+        assert metric(srv, 'specdec_requests_total{outcome="error"}') == 1
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])

@@ -66,3 +66,19 @@ def test_quantized_model_is_cached_and_reloads_identically(tmp_path, monkeypatch
     h2 = second.lm_head(second.model.embed_tokens(ids))
     assert torch.equal(h1, h2)
     assert type(second.model.layers[0].mlp.up_proj) is type(first.model.layers[0].mlp.up_proj)
+
+
+def test_auto_finds_the_grid_when_loading_in_bfloat16(tmp_path, monkeypatch):
+    """Quantization must see the fp32 weights: a bf16 copy is off the 4-bit grid."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    hf = tiny_hf_model("qwen2")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.copy_(grid_weights(*p.shape, seed=len(name)))
+    hf.save_pretrained(tmp_path / "m")
+    for _ in range(2):  # cold (quantize + cache), then warm (from the cache)
+        model = load_model(tmp_path / "m", torch.bfloat16, quant="auto")
+        linears = [m for m in model.modules() if isinstance(m, (Int4Linear, torch.nn.Linear))]
+        assert all(isinstance(m, Int4Linear) for m in linears)
+        assert model.model.embed_tokens.weight.dtype == torch.bfloat16
