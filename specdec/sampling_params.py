@@ -31,8 +31,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be -1, 0 (off) or a positive int32, got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0
         if self.max_tokens < 1:

@@ -92,6 +92,10 @@ def test_bad_requests_are_value_errors(pair):
         engine.add_request(list(range(3, 30)))
     with pytest.raises(ValueError, match="empty"):
         engine.add_request([])
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([3, 10**6])
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=2**63)
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError):
