@@ -27,12 +27,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget for both models together, in GiB")
     g.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV cache dtype: the model's, or fp8 (e4m3)")
-    g.add_argument("--target-quant", choices=["none", "int4", "auto"], default="none",
+    g.add_argument("--target-quant", choices=["none", "int4", "auto"], default=None,
                    help="CPU weight-only quantization of the target (auto: int4 where the weights "
                         "sit on a 4-bit grid, as GGUF Q4_K does, else dense; int4: every linear); "
-                        "cached after first use")
-    g.add_argument("--draft-quant", choices=["none", "int4", "auto"], default="none",
-                   help="the same for the draft model")
+                        "cached after first use. Default: auto on CPU in bfloat16, else none")
+    g.add_argument("--draft-quant", choices=["none", "int4", "auto"], default=None,
+                   help="the same for the draft model. Default: int4 on CPU in bfloat16, else none")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
 

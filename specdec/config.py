@@ -29,8 +29,12 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides the memory budget (both pools get this many)
     max_num_seqs: int = 16
     max_model_len: int | None = None
-    target_quant: str = "none"  # CPU weight-only quantization of the target's linears
-    draft_quant: str = "none"
+    # CPU weight-only int4 quantization; None picks per model: on the CPU in bfloat16 the target
+    # takes "auto" (int4 only where GGUF Q4_K weights make it exact, so the target's outputs stay
+    # the GGUF's up to bf16 rounding) and the draft "int4" (every linear: a draft only proposes,
+    # so its rounding cannot change the output distribution); elsewhere "none".
+    target_quant: str | None = None
+    draft_quant: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
 
@@ -45,6 +49,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+        fast_cpu = self.dtype == "bfloat16" and self.resolved_device() == "cpu"
+        if self.target_quant is None:
+            self.target_quant = "auto" if fast_cpu else "none"
+        if self.draft_quant is None:
+            self.draft_quant = "int4" if fast_cpu else "none"
         for name in ("target_quant", "draft_quant"):
             if getattr(self, name) not in QUANT_MODES:
                 raise ValueError(f"{name} must be one of {QUANT_MODES}, got {getattr(self, name)!r}")
