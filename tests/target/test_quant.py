@@ -82,3 +82,15 @@ def test_auto_finds_the_grid_when_loading_in_bfloat16(tmp_path, monkeypatch):
         linears = [m for m in model.modules() if isinstance(m, (Int4Linear, torch.nn.Linear))]
         assert all(isinstance(m, Int4Linear) for m in linears)
         assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_constant_groups_stay_finite():
+    """A group whose 32 weights are all equal has no grid step; it must not become inf."""
+    w = grid_weights(32, 128)
+    w[3, :32] = 0.25
+    w[7, 64:96] = 0.0
+    q, sz = quantize_int4(w, 32)
+    assert torch.isfinite(sz.float()).all()
+    x = torch.randn(4, 128)
+    out = Int4Linear.from_quantized(q, sz, None)(x)
+    assert torch.isfinite(out).all() and _rel(out, x @ w.T) < 1e-2
