@@ -202,7 +202,6 @@ class Engine:
                 table.truncate(seq.num_tokens - 1)
         if reason is not None:
             seq.finish_reason = reason
-            seq.output_text = seq.detokenizer.text
             self.scheduler.finish(seq)
         return StepDelta(
             seq.request_id, emitted, origins[: len(emitted)], text, num_draft, num_accepted,

@@ -60,17 +60,10 @@ def build_runners(
         raise ValueError("proposer 'draft' needs a draft model")
     models = [target] + ([draft] if uses_draft else [])
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
-    if config.num_blocks is not None:
-        runners = [ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=config.num_blocks) for m in models]
-    else:
-        per_block = [_bytes_per_block(m, config.block_size, kv_dtype) for m in models]
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        per_block = [ModelRunner.kv_spec(m, config.block_size, kv_dtype).bytes_per_block() for m in models]
         num_blocks = max(1, int(config.kv_cache_memory_gib * GIB) // sum(per_block))
-        runners = [ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks) for m in models]
+    runners = [ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks) for m in models]
     return runners[0], (runners[1] if uses_draft else None)
 
-
-def _bytes_per_block(model: torch.nn.Module, block_size: int, kv_dtype: torch.dtype | None) -> int:
-    cfg = model.config
-    dtype = kv_dtype or next(model.parameters()).dtype
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem

@@ -79,7 +79,6 @@ class Scheduler:
         self._release(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 

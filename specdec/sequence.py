@@ -45,8 +45,6 @@ class Sequence:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     finish_reason: str | None = None
     detokenizer: Any = None
-    output_text: str = ""
-    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.token_ids)

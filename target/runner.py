@@ -33,19 +33,14 @@ class ModelRunner:
         self.pool = BlockPool(kv_cache.num_blocks)
         self.device = next(model.parameters()).device
 
-    @classmethod
-    def build(
-        cls,
-        model: LlamaForCausalLM,
-        block_size: int,
-        kv_dtype: torch.dtype | None = None,
-        num_blocks: int | None = None,
-        memory_bytes: int | None = None,
-    ) -> "ModelRunner":
-        """Size the KV cache from `num_blocks`, or else from a `memory_bytes` budget."""
+    @staticmethod
+    def kv_spec(
+        model: LlamaForCausalLM, block_size: int, kv_dtype: torch.dtype | None = None
+    ) -> KVCacheSpec:
+        """The model's KV cache layout; `kv_dtype` None means the model's own dtype."""
         cfg = model.config
         param = next(model.parameters())
-        spec = KVCacheSpec(
+        return KVCacheSpec(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
@@ -53,13 +48,18 @@ class ModelRunner:
             dtype=kv_dtype or param.dtype,
             device=param.device,
         )
-        if num_blocks is not None:
-            cache = PagedKVCache(spec, num_blocks)
-        elif memory_bytes is not None:
-            cache = PagedKVCache.from_memory_budget(spec, memory_bytes)
-        else:
-            raise ValueError("give num_blocks or memory_bytes")
-        return cls(model, cache)
+
+    @classmethod
+    def build(
+        cls,
+        model: LlamaForCausalLM,
+        block_size: int,
+        kv_dtype: torch.dtype | None = None,
+        *,
+        num_blocks: int,
+    ) -> "ModelRunner":
+        """A runner whose paged cache has `num_blocks` blocks of `block_size` tokens."""
+        return cls(model, PagedKVCache(cls.kv_spec(model, block_size, kv_dtype), num_blocks))
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.pool, self.block_size)
