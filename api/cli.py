@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec.config import EngineConfig
+from specdec.config import QUANT_MODES, EngineConfig
 from specdec.sampling_params import SamplingParams
 
 
@@ -19,7 +19,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--proposer", choices=["draft", "ngram"], default="draft",
                    help="draft model, or n-gram prompt lookup (no model)")
     g.add_argument("--no-speculation", action="store_true", help="plain target-only decoding")
-    g.add_argument("-k", "--num-speculative-tokens", type=int, default=4, help="draft tokens per step")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=8,
+                   help="most draft tokens per step (exactly this many with --fixed-k)")
+    g.add_argument("--fixed-k", action="store_true",
+                   help="always draft k tokens instead of choosing k per step from measured costs "
+                        "and acceptance (makes seeded sampling reproducible token for token)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -27,12 +31,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget for both models together, in GiB")
     g.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV cache dtype: the model's, or fp8 (e4m3)")
-    g.add_argument("--target-quant", choices=["none", "int4", "auto"], default=None,
-                   help="CPU weight-only quantization of the target (auto: int4 where the weights "
-                        "sit on a 4-bit grid, as GGUF Q4_K does, else dense; int4: every linear); "
-                        "cached after first use. Default: auto on CPU in bfloat16, else none")
-    g.add_argument("--draft-quant", choices=["none", "int4", "auto"], default=None,
-                   help="the same for the draft model. Default: int4 on CPU in bfloat16, else none")
+    g.add_argument("--target-quant", choices=QUANT_MODES, default=None,
+                   help="CPU quantization of the target (auto: weight-only int4 where the weights "
+                        "sit on a 4-bit grid, as GGUF Q4_K does, else dense; int4: every linear; "
+                        "w8a8: int8 weights and activations, smoothed, cost flat in the number of "
+                        "verified tokens); cached after first use. Default: see README")
+    g.add_argument("--draft-quant", choices=QUANT_MODES, default=None,
+                   help="the same for the draft model. Default: see README")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
 
@@ -43,6 +48,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft=args.draft,
         proposer="none" if args.no_speculation else args.proposer,
         num_speculative_tokens=args.num_speculative_tokens,
+        adaptive_k=not args.fixed_k,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,

@@ -19,6 +19,11 @@ class SamplingTensors:
     top_p: torch.Tensor  # [B] float32, 1.0 = off
     generators: list[torch.Generator | None]
 
+    @property
+    def all_greedy(self) -> bool:
+        """Every row at temperature 0 (read on the host: no sync when kept on the CPU)."""
+        return self.temperature.device.type == "cpu" and bool((self.temperature <= 0).all())
+
     def select(self, rows: list[int]) -> "SamplingTensors":
         idx = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
         return SamplingTensors(

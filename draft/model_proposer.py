@@ -48,7 +48,7 @@ class DraftModelProposer:
             step_probs = warp_probs(
                 logits, step_sampling.temperature, step_sampling.top_k, step_sampling.top_p
             )  # [A, V]
-            step_tokens = sample(step_probs, step_sampling.generators)  # [A]
+            step_tokens = sample(step_probs, step_sampling.generators, step_sampling.all_greedy)  # [A]
             if probs is None:
                 probs = torch.zeros(b, k, step_probs.shape[-1], device=device)
             idx = torch.tensor(rows, dtype=torch.long, device=device)

@@ -69,6 +69,9 @@ def _add_latency(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", nargs="*", type=int, default=[1, 4, 8, 16],
                    help="stream counts for our engine's aggregate tokens/s (none: skip the sweep)")
     p.add_argument("--sweep-max-tokens", type=int, default=32, help="new tokens per stream in the sweep")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample at this temperature (seeded; 'same tokens' then means little) "
+                        "instead of greedy decoding")
     _common(p, 10, "ShareGPT shuffle seed")
     add_engine_args(p)
     p.set_defaults(func=run_latency, parser=p, words=["specdec", "bench", "latency"])
@@ -147,6 +150,8 @@ def run_acceptance(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args)
     if not config.speculative:
         raise ValueError("eval acceptance needs a proposer: drop --no-speculation")
+    config.adaptive_k = False  # the sweep measures each k as asked
+    config.num_speculative_tokens = max(config.num_speculative_tokens, *opts.ks)
     out = _out_dir(args, "eval-acceptance")
     meta = provenance(args, args.words)
     engine = load_engine(config)
@@ -166,7 +171,8 @@ def run_latency(args: argparse.Namespace) -> int:
     opts = latency.LatencyOptions(
         dataset=args.dataset, systems=args.systems, max_tokens=args.max_tokens, limit=args.limit,
         seed=args.seed, max_prompt_tokens=args.max_prompt_tokens, threads=args.threads, gguf=args.gguf,
-        concurrency=args.concurrency, sweep_max_tokens=args.sweep_max_tokens, progress=args.progress,
+        concurrency=args.concurrency, sweep_max_tokens=args.sweep_max_tokens,
+        temperature=args.temperature, progress=args.progress,
     )
     config = engine_config_from_args(args)
     out = _out_dir(args, "bench-latency")

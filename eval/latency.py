@@ -35,6 +35,7 @@ class LatencyOptions:
     gguf: str | None = None
     concurrency: list[int] = field(default_factory=lambda: [1, 4, 8, 16])
     sweep_max_tokens: int = 32
+    temperature: float = 0.0
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -46,6 +47,8 @@ class LatencyOptions:
             raise ValueError(f"--concurrency values must be positive, got {self.concurrency}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("--threads must be positive")
+        if self.temperature < 0:
+            raise ValueError("--temperature must be >= 0")
 
 
 # ---- the run ---------------------------------------------------------------------------------
@@ -61,7 +64,9 @@ def benchmark(config, opts: LatencyOptions) -> dict:
     )
     context_len = max(len(p.token_ids) for p in prompts) + opts.max_tokens + 16
     threads = torch.get_num_threads()
-    decoders, skipped = load_decoders(engine, config, opts.systems, opts.gguf, threads, context_len)
+    decoders, skipped = load_decoders(
+        engine, config, opts.systems, opts.gguf, threads, context_len, opts.temperature
+    )
     traces = time_systems(decoders, prompts, opts)
     systems = summarize_systems(traces, config)
     for name, reason in skipped.items():
@@ -111,7 +116,8 @@ def summarize_systems(traces: dict[str, list[RequestTrace]], config) -> dict[str
             same = [a.token_ids == b.token_ids for a, b in zip(traces[name], base)]
             summary["same_tokens_as_target_only"] = sum(same) / len(same)
     if "specdec-speculative" in out:
-        out["specdec-speculative"]["k"] = config.num_speculative_tokens
+        k = config.num_speculative_tokens
+        out["specdec-speculative"]["k"] = f"adaptive<={k}" if config.adaptive_k else k
     return out
 
 
@@ -207,7 +213,9 @@ def write_report(out: Path, meta: dict, opts: LatencyOptions, engine_config, res
     n, max_tokens = len(result["prompts"]), opts.max_tokens
     sections = [(
         "Batch-1 decoding",
-        table(result) + f"\n\n{n} {opts.dataset} prompts, greedy, {max_tokens} new tokens each (EOS "
+        table(result) + f"\n\n{n} {opts.dataset} prompts, "
+        f"{'greedy' if opts.temperature == 0 else f'sampled at temperature {opts.temperature}'}, "
+        f"{max_tokens} new tokens each (EOS "
         f"ignored), {result['threads']} threads, dtype {engine_config.dtype}; our engine's weight "
         f"quantization: target {engine_config.target_quant}, draft {engine_config.draft_quant} "
         "(transformers runs the same weights dense). TTFT: request to first token; TPOT: (E2E - TTFT) / (tokens - 1); ITL: gaps between streamed chunks (a speculative "

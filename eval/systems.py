@@ -23,13 +23,17 @@ LLAMA_CPP_INSTALL = (
 
 
 class SpecdecDecoder:
-    """Our engine at a fixed k (0 = target-only)."""
+    """Our engine, at most k drafts per step (0 = target-only); greedy unless a temperature is set."""
 
-    def __init__(self, engine, k: int) -> None:
-        self.engine, self.k = engine, k
+    def __init__(self, engine, k: int, temperature: float = 0.0) -> None:
+        self.engine, self.k, self.temperature = engine, k, temperature
+        self.runs = 0
 
     def decode(self, token_ids: list[int], max_tokens: int) -> RequestTrace:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.runs += 1  # seeded per run: both of our systems see the same seeds
+        params = SamplingParams(
+            temperature=self.temperature, max_tokens=max_tokens, ignore_eos=True, seed=self.runs
+        )
         return run_request(self.engine, token_ids, params, self.k)[0]
 
 
@@ -52,13 +56,17 @@ class TimingStreamer:
 class TransformersDecoder:
     """`model.generate()`, greedy, exactly `max_tokens` new tokens; assisted when given a draft."""
 
-    def __init__(self, model, assistant=None) -> None:
-        self.model, self.assistant = model, assistant
+    def __init__(self, model, assistant=None, temperature: float = 0.0) -> None:
+        self.model, self.assistant, self.temperature = model, assistant, temperature
 
     def generation_kwargs(self, max_tokens: int) -> dict:
         eos = self.model.config.eos_token_id
+        sampling = (
+            dict(do_sample=True, temperature=self.temperature, top_k=None, top_p=1.0)
+            if self.temperature > 0 else dict(do_sample=False)
+        )
         return dict(
-            do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            **sampling, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
             eos_token_id=eos, pad_token_id=eos[0] if isinstance(eos, list) else eos,
         )
 
@@ -78,13 +86,16 @@ class TransformersDecoder:
 class LlamaCppDecoder:
     """llama.cpp through llama-cpp-python: greedy token loop, prompt cache reset before each run."""
 
-    def __init__(self, llm) -> None:
-        self.llm = llm
+    def __init__(self, llm, temperature: float = 0.0) -> None:
+        self.llm, self.temperature = llm, temperature
 
     def decode(self, token_ids: list[int], max_tokens: int) -> RequestTrace:
         self.llm.reset()  # no reuse of the previous run's prompt KV: every system prefills
         trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
-        tokens = self.llm.generate(token_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0)
+        t = self.temperature
+        tokens = self.llm.generate(
+            token_ids, top_k=1 if t == 0 else 0, top_p=1.0, min_p=0.0, temp=t, repeat_penalty=1.0
+        )
         for token in tokens:
             trace.add_chunk(time.perf_counter(), 1)
             trace.token_ids.append(int(token))
@@ -97,35 +108,37 @@ class LlamaCppDecoder:
 
 
 def load_decoders(
-    engine, config, names: list[str], gguf: str | None, threads: int, context_len: int
+    engine, config, names: list[str], gguf: str | None, threads: int, context_len: int,
+    temperature: float = 0.0,
 ) -> tuple[dict, dict[str, str]]:
     """The requested systems that can run here (in `SYSTEMS` order), and why any other cannot."""
+    t = temperature
     decoders: dict = {}
     skipped: dict[str, str] = {}
     wanted = set(names)
     if "specdec-target-only" in wanted:
-        decoders["specdec-target-only"] = SpecdecDecoder(engine, 0)
+        decoders["specdec-target-only"] = SpecdecDecoder(engine, 0, t)
     if "specdec-speculative" in wanted:
         if engine.proposer is None:
             skipped["specdec-speculative"] = "the engine has no proposer (--no-speculation)"
         else:
-            decoders["specdec-speculative"] = SpecdecDecoder(engine, config.num_speculative_tokens)
+            decoders["specdec-speculative"] = SpecdecDecoder(engine, config.num_speculative_tokens, t)
     if wanted & {"transformers", "transformers-assisted"}:
         target = load_transformers(config.target, config)
         if "transformers" in wanted:
-            decoders["transformers"] = TransformersDecoder(target)
+            decoders["transformers"] = TransformersDecoder(target, temperature=t)
         if "transformers-assisted" in wanted:
             if not config.draft:
                 skipped["transformers-assisted"] = "no draft model"
             else:
                 draft = load_transformers(config.draft, config)
-                decoders["transformers-assisted"] = TransformersDecoder(target, draft)
+                decoders["transformers-assisted"] = TransformersDecoder(target, draft, t)
     if "llama.cpp" in wanted:
         llm, reason = load_llama_cpp(config, gguf, threads, context_len)
         if llm is None:
             skipped["llama.cpp"] = reason
         else:
-            decoders["llama.cpp"] = LlamaCppDecoder(llm)
+            decoders["llama.cpp"] = LlamaCppDecoder(llm, t)
     return {name: decoders[name] for name in SYSTEMS if name in decoders}, skipped
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
+from specdec.adaptive import SpeculationPolicy
 from specdec.config import EngineConfig
 from specdec.draft import DraftModelProposer, NgramProposer, Proposer, SamplingTensors
 from specdec.sampling_params import SamplingParams
@@ -65,6 +67,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.stats = AcceptanceStats()
+        self.policy = SpeculationPolicy() if config.adaptive_k and self.proposer is not None else None
         self._sequences: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.device = self.target.device
@@ -142,8 +145,15 @@ class Engine:
             return []
         sampling = self._sampling_tensors(seqs)
         ks = [self.scheduler.num_draft(s) for s in seqs]
+        if self.policy is not None:
+            ks = self.policy.choose_k([s.acceptance.rate for s in seqs], ks)
         if self.proposer is not None and any(ks):
+            timed = self.policy is not None and all(_draft_caught_up(s) for s, k in zip(seqs, ks) if k)
+            start = time.perf_counter()
             draft = self.proposer.propose(seqs, ks, sampling)
+            if timed:
+                self._sync()
+                self.policy.draft_cost.observe(sum(1 for k in ks if k), (time.perf_counter() - start) / max(ks))
             num_draft, k = draft.num_draft, max(draft.num_draft)
             draft_ids = draft.token_ids[:, :k]  # [B, k]
             draft_probs = draft.probs[:, :k] if draft.probs is not None else None  # [B, k, V]
@@ -152,18 +162,28 @@ class Engine:
             draft_ids = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
             draft_probs = None
         windows = [self._verify_window(s, draft_ids[b, : num_draft[b]]) for b, s in enumerate(seqs)]
+        decode_only = all(s.num_tokens - s.target_table.num_computed == 1 for s in seqs)
+        start = time.perf_counter()
         logits = self.target.forward(windows)  # [sum(n_b + 1), V]
+        if self.policy is not None and decode_only:
+            self._sync()
+            self.policy.verify_cost.observe(logits.shape[0], time.perf_counter() - start)
         counts = [n + 1 for n in num_draft]
         rows = sampling.repeat(counts)
         target_probs = _pad_rows(warp_probs(logits, rows.temperature, rows.top_k, rows.top_p), counts)
         out = rejection_sample(
             draft_ids, torch.tensor(num_draft), draft_probs, target_probs,
-            sampling.generators,
+            sampling.generators, greedy=sampling.all_greedy,
         )
         token_rows, accepted = out.token_ids.tolist(), out.num_accepted.tolist()  # the one host sync
         return [
             self._commit(s, token_rows[b], accepted[b], num_draft[b]) for b, s in enumerate(seqs)
         ]
+
+    def _sync(self) -> None:
+        """Timings need the device's queue drained (CPU work is already done when it returns)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _verify_window(self, seq: Sequence, drafts: torch.Tensor) -> Window:
         """[tokens the target cache lacks (the last one, or the whole prompt)] + [d_1..d_n]."""
@@ -192,6 +212,7 @@ class Engine:
             TokenOrigin.BONUS if num_accepted == num_draft else TokenOrigin.RECOVERED
         )
         origins = [TokenOrigin.ACCEPTED] * num_accepted + [last]
+        seq.acceptance.update(num_draft, num_accepted)
         if num_draft > 0:
             seq.stats.update(num_draft, num_accepted)
             self.stats.update(num_draft, num_accepted)
@@ -286,6 +307,12 @@ class Engine:
             name: {"total": p.num_blocks, "free": p.num_free, "used": p.num_used}
             for name, p in pools.items()
         }
+
+
+def _draft_caught_up(seq: Sequence) -> bool:
+    """The draft lacks at most the last step's two tokens (no catch-up prefill to time)."""
+    table = seq.draft_table
+    return table is None or seq.num_tokens - table.num_computed <= 2
 
 
 def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:

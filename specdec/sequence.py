@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from specdec.adaptive import AcceptanceEstimate
 from specdec.cache import BlockTable
 from specdec.sampling_params import SamplingParams
 from specdec.verify import AcceptanceStats
@@ -43,6 +44,7 @@ class Sequence:
     draft_table: BlockTable | None = None
     generator: torch.Generator | None = None
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # drives adaptive k
     finish_reason: str | None = None
     detokenizer: Any = None
 

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.target.model import LlamaForCausalLM
-from specdec.target.quant import Int4Linear
+from specdec.target.quant import Int4Linear, Int8Linear
 
 FORMAT_VERSION = "2"  # bump when quantization changes, so stale caches are not reused
 
@@ -35,7 +35,10 @@ def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
 
 def save_quantized(model: LlamaForCausalLM, path: Path) -> None:
     """Write the model's state dict and quantization manifest atomically."""
-    manifest = {name: "int4" for name, m in model.named_modules() if isinstance(m, Int4Linear)}
+    manifest = {
+        name: "int4" if isinstance(m, Int4Linear) else "int8"
+        for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear))
+    }
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -55,12 +58,14 @@ def load_quantized(model: LlamaForCausalLM, path: Path) -> LlamaForCausalLM:
         manifest = json.loads(f.metadata()["manifest"])
         state = {k: f.get_tensor(k) for k in f.keys()}
     for name, kind in manifest.items():
-        assert kind == "int4"
         bias = state.pop(f"{name}.bias", None)
-        sz = state.pop(f"{name}.scales_and_zeros")
-        packed = state.pop(f"{name}.weight_int4")
-        in_features = model.get_submodule(name).in_features
-        module = Int4Linear(packed, sz, bias, in_features, in_features // sz.shape[0])
+        if kind == "int8":
+            module = Int8Linear(state.pop(f"{name}.weight_int8"), state.pop(f"{name}.weight_scale"), bias)
+        else:
+            sz = state.pop(f"{name}.scales_and_zeros")
+            packed = state.pop(f"{name}.weight_int4")
+            in_features = model.get_submodule(name).in_features
+            module = Int4Linear(packed, sz, bias, in_features, in_features // sz.shape[0])
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, module)
     for name, tensor in state.items():

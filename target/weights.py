@@ -31,7 +31,7 @@ def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     quant: str = "none",
 ) -> LlamaForCausalLM:
-    """Build the model from a local HF folder; `quant` int4/auto quantizes its linears (CPU).
+    """Build the model from a local HF folder; `quant` int4/auto/w8a8 quantizes its linears (CPU).
 
     A quantized model is cached after the first load (see `quant_cache`), so later loads read the
     quantized bytes directly.
@@ -42,31 +42,44 @@ def load_model(
 
 
 def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> LlamaForCausalLM:
-    from specdec.target.quant import quantize_model
+    from specdec.target.quant import prepack_int8, quantize_model
     from specdec.target.quant_cache import load_quantized, quant_cache_path, save_quantized
 
     if torch.device(device).type != "cpu":
-        raise ValueError("the weight-only int4 kernel is CPU only; use quantization 'none' on GPU")
+        raise ValueError("the int4 / w8a8 kernels are CPU only; use quantization 'none' on GPU")
     path = quant_cache_path(model_dir, quant, dtype)
     if path.exists():
         with torch.device("meta"):
             model = LlamaForCausalLM(load_config(model_dir))
-        model = load_quantized(model, path)
-        return _finish(model, device)
-    # Quantize from fp32: a bf16 copy would knock Q4_K weights off their 4-bit grid.
-    model = _load_dense(model_dir, torch.float32, device)
-    quantize_model(model, quant)
-    _cast_dense(model, dtype)
-    save_quantized(model, path)
+        model = _finish(load_quantized(model, path), device)
+    else:
+        # Quantize from fp32: a bf16 copy would knock Q4_K weights off their 4-bit grid.
+        model = _load_dense(model_dir, torch.float32, device)
+        quantize_model(model, quant, calibration_ids=_calibration_ids(model_dir) if quant == "w8a8" else None)
+        _cast_dense(model, dtype)
+        save_quantized(model, path)
+    prepack_int8(model)
     return model
 
 
+def _calibration_ids(model_dir: Path) -> list[int]:
+    """The calibration text in the model's tokens (a folder without a tokenizer: spread ids)."""
+    from specdec.target.smoothing import CALIBRATION_TEXT
+    from specdec.target.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(model_dir).encode(CALIBRATION_TEXT)
+    except (OSError, ValueError):
+        vocab = load_config(model_dir).vocab_size
+        return [(i * 7919) % vocab for i in range(512)]
+
+
 def _cast_dense(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast every parameter outside the int4 linears (they keep their bf16 scales and bias)."""
-    from specdec.target.quant import Int4Linear
+    """Cast every parameter outside the quantized linears (they keep their scales and bias)."""
+    from specdec.target.quant import Int4Linear, Int8Linear
 
     for module in model.modules():
-        if isinstance(module, Int4Linear):
+        if isinstance(module, (Int4Linear, Int8Linear)):
             continue
         for name, param in module.named_parameters(recurse=False):
             setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))

@@ -40,6 +40,7 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,  # [B, k, V] or None
     target_probs: torch.Tensor,  # [B, k+1, V]
     generators: list[torch.Generator | None],
+    greedy: bool = False,
 ) -> VerifyOutput:
     """Keep the longest prefix of drafts the target agrees with, plus one token of its own.
 
@@ -49,7 +50,8 @@ def rejection_sample(
     recovered token is sampled from max(0, p_i - q_i) (from p_i should that be all zero); if all n
     are accepted the bonus token is sampled from p_n. `draft_probs=None` means a deterministic
     proposer: q_i is one-hot at d_i. With one-hot (greedy) p this is "accept while argmax p == d",
-    then the target's argmax.
+    then the target's argmax; `greedy=True` (every row one-hot, known to the caller) takes that
+    path without drawing any noise.
 
     Randomness: row b uses n uniforms, then V exponentials (`sample`). A row with a generator draws
     exactly those from it, so its result and its generator's next state depend only on its own
@@ -77,7 +79,10 @@ def rejection_sample(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(2, safe_ids.unsqueeze(2)).squeeze(2)  # [B, k]
-    uniform = _draw_uniforms(batch, k, num_draft, generators, device)  # [B, k]
+    if greedy:  # one-hot p and q: u * q(d) < p(d) iff p(d) = 1, whatever u in [0, 1)
+        uniform = torch.zeros(batch, k, device=device)
+    else:
+        uniform = _draw_uniforms(batch, k, num_draft, generators, device)  # [B, k]
     accept = is_draft & (uniform * q_draft < p_draft)  # [B, k]
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
 
@@ -88,7 +93,7 @@ def rejection_sample(
     residual = _residual(p_last, draft_probs, safe_ids, rows, last, k)  # [B, V]
     residual_empty = residual.sum(dim=1) <= 0  # [B]; only from rounding when p ~= q
     use_p = (~rejected | residual_empty).unsqueeze(1)  # [B, 1]
-    final_token = sample(torch.where(use_p, p_last, residual), generators)  # [B]
+    final_token = sample(torch.where(use_p, p_last, residual), generators, greedy)  # [B]
 
     token_ids = torch.where(positions.unsqueeze(0) < last.unsqueeze(1), draft_ids, -1)  # [B, k]
     token_ids = torch.cat([token_ids, token_ids.new_full((batch, 1), -1)], dim=1)  # [B, k+1]

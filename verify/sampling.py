@@ -64,8 +64,12 @@ def warp_probs(
 def sample(
     probs: torch.Tensor,  # [R, V] non-negative weights (need not sum to 1)
     generators: list[torch.Generator | None],
+    greedy: bool = False,
 ) -> torch.Tensor:  # [R] int64
     """Draw one token per row, proportional to `probs`, without leaving the device.
+
+    `greedy=True` says every row is one-hot (temperature 0 everywhere): the hot index is taken
+    directly, with no noise drawn (seeded generators are not advanced).
 
     Rows with a generator take all their noise (V uniforms) from it, so a seeded row gives the
     same token whatever else is in the batch; the others share one batched draw from the default
@@ -75,6 +79,8 @@ def sample(
         raise ValueError(f"probs must be [R, V], got shape {tuple(probs.shape)}")
     if len(generators) != probs.shape[0]:
         raise ValueError(f"got {len(generators)} generators for {probs.shape[0]} rows")
+    if greedy:
+        return probs.argmax(dim=-1)
     uniform = torch.rand(probs.shape, device=probs.device)  # [R, V] in [0, 1)
     for row, generator in enumerate(generators):
         if generator is not None:

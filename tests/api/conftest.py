@@ -62,7 +62,8 @@ def make_engine(tiny_parts) -> Callable[..., Engine]:
     target, draft, tokenizer = tiny_parts
 
     def make(**overrides: Any) -> Engine:
-        kwargs = dict(dtype="float32", num_blocks=256, block_size=8, num_speculative_tokens=4, max_num_seqs=16)
+        kwargs = dict(dtype="float32", num_blocks=256, block_size=8, num_speculative_tokens=4, max_num_seqs=16,
+                      adaptive_k=False)  # fixed k: the metrics tests count drafts per position
         kwargs.update(overrides)
         return Engine.from_models(EngineConfig(**kwargs), target, draft, tokenizer)
 

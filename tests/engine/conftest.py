@@ -18,7 +18,9 @@ def hf_target():
 
 
 def make_engine(target, draft=None, **overrides) -> Engine:
-    kwargs = dict(dtype="float32", num_blocks=64, block_size=4, proposer="draft" if draft is not None else "none")
+    # Fixed k: these tests check what a given k does; tests/engine/test_adaptive.py covers adaptive k.
+    kwargs = dict(dtype="float32", num_blocks=64, block_size=4, proposer="draft" if draft is not None else "none",
+                  adaptive_k=False)
     kwargs.update(overrides)
     return Engine.from_models(EngineConfig(**kwargs), target, draft)
 

@@ -1,0 +1,108 @@
+"""Adaptive speculation: each step's k from measured costs and each sequence's running acceptance.
+
+A step that drafts k tokens for a batch of B sequences costs `k * c_draft(B) + c_verify(rows)`,
+rows = sum of the windows (k + 1 each), and emits, per sequence with per-token acceptance `a`,
+
+    E(a, k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)        tokens on average.
+
+`choose_k` picks the k in 0..cap that maximizes expected tokens per second for the whole batch;
+k = 0 is plain decoding (no draft pass at all). So speculation shortens when acceptance drops and
+switches off when verifying extra rows stops being nearly free (large batches on a compute-bound
+kernel) or the draft costs more than it saves.
+
+Costs are measured, not assumed: `CostTable` keeps an exponential average of wall-clock seconds
+per power-of-two bucket of its key (rows for the target, batch size for one draft step). A bucket
+never measured borrows its nearest measured neighbour, so untried sizes look as cheap as the
+closest known one and get tried. Acceptance is per sequence, from exponentially decayed counts
+with a prior; steps that drafted nothing decay the counts back toward the prior, so a sequence
+whose speculation was switched off gets retried.
+
+Because k follows timings, two runs with the same seed may draft differently; every k keeps the
+output distribution exact (rejection sampling), but a seeded sample is reproducible token for
+token only with a fixed k (`EngineConfig.adaptive_k=False`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRIOR_ACCEPTANCE = 0.7
+PRIOR_WEIGHT = 4.0  # the prior counts as this many observed draft tokens
+DECAY = 0.9  # per step: older verify results weigh less
+COST_EMA = 0.3  # weight of a new timing in its bucket's average
+MAX_ACCEPTANCE = 0.98  # E(a, k) grows without bound in k as a -> 1
+
+
+@dataclass
+class AcceptanceEstimate:
+    """One sequence's running per-token acceptance probability."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        """A verify step kept `num_accepted` of `num_draft` drafts (draft 0: decay only)."""
+        self.accepted *= DECAY
+        self.trials *= DECAY
+        if num_draft > 0:
+            # tokens up to the first rejection were tried: the accepted ones and the rejected one
+            self.accepted += num_accepted
+            self.trials += num_accepted + (num_accepted < num_draft)
+
+    @property
+    def rate(self) -> float:
+        a = (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+        return min(a, MAX_ACCEPTANCE)
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verify step emits on average: accepted drafts + the target's own token."""
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+class CostTable:
+    """Seconds per call, averaged per power-of-two bucket of a size (1, 2, 3-4, 5-8, ...)."""
+
+    def __init__(self, prior: float) -> None:
+        self.prior = prior
+        self.seconds: dict[int, float] = {}
+
+    @staticmethod
+    def bucket(size: int) -> int:
+        return max(1, size - 1).bit_length() if size > 1 else 0
+
+    def observe(self, size: int, seconds: float) -> None:
+        b = self.bucket(size)
+        old = self.seconds.get(b)
+        self.seconds[b] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+
+    def __call__(self, size: int) -> float:
+        if not self.seconds:
+            return self.prior
+        b = self.bucket(size)
+        if b in self.seconds:
+            return self.seconds[b]
+        nearest = min(self.seconds, key=lambda m: (abs(m - b), m))
+        return self.seconds[nearest]
+
+
+class SpeculationPolicy:
+    """Chooses k per step; fed with the timings of draft passes and target forwards."""
+
+    def __init__(self) -> None:
+        # Priors (relative units) only matter until the first timings arrive.
+        self.verify_cost = CostTable(prior=1.0)  # one target forward, by rows
+        self.draft_cost = CostTable(prior=0.3)  # one draft step, by batch size
+
+    def choose_k(self, rates: list[float], caps: list[int]) -> list[int]:
+        """Each sequence's k (<= its cap) maximizing the batch's expected tokens per second."""
+        best_k, best_rate = 0, 0.0
+        for k in range(max(caps, default=0) + 1):
+            ks = [min(k, cap) for cap in caps]
+            tokens = sum(expected_tokens(a, kk) for a, kk in zip(rates, ks))
+            seconds = self.verify_cost(sum(ks) + len(ks))
+            if k:
+                seconds += max(ks) * self.draft_cost(sum(1 for kk in ks if kk))
+            if tokens / seconds > best_rate * 1.0001:  # ties go to the smaller k
+                best_k, best_rate = k, tokens / seconds
+        return [min(best_k, cap) for cap in caps]

@@ -1,0 +1,92 @@
+"""Adaptive k: the cost model's choices, and an engine that changes k every step stays exact."""
+
+import pytest
+
+from specdec.adaptive import AcceptanceEstimate, CostTable, SpeculationPolicy, expected_tokens
+from specdec.sampling_params import SamplingParams
+
+from .conftest import PROMPTS, make_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(0.9, 4) == pytest.approx(sum(0.9**i for i in range(5)))
+
+
+def test_acceptance_estimate_follows_outcomes_and_decays_to_the_prior():
+    est = AcceptanceEstimate()
+    prior = est.rate
+    for _ in range(10):
+        est.update(4, 4)
+    assert est.rate > 0.9
+    for _ in range(30):
+        est.update(4, 0)
+    assert est.rate < 0.3
+    low = est.rate
+    for _ in range(60):
+        est.update(0, 0)  # no drafts: the evidence fades and the prior returns
+    assert low < est.rate == pytest.approx(prior, abs=0.05)
+
+
+def test_cost_table_buckets_and_borrows_the_nearest_measurement():
+    table = CostTable(prior=7.0)
+    assert table(5) == 7.0
+    assert [CostTable.bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+    table.observe(5, 0.10)
+    assert table(1) == table(8) == table(100) == 0.10
+    table.observe(1, 0.08)
+    assert table(2) == 0.08 and table(6) == 0.10
+    table.observe(6, 0.20)
+    assert 0.10 < table(5) < 0.20  # an exponential average, not the last value
+
+
+def _policy(verify, draft: float) -> SpeculationPolicy:
+    policy = SpeculationPolicy()
+    for rows in (1, 2, 4, 8, 16, 32, 64, 128):
+        policy.verify_cost.observe(rows, verify(rows))
+    for batch in (1, 2, 4, 8, 16):
+        policy.draft_cost.observe(batch, draft)
+    return policy
+
+
+def test_high_acceptance_flat_verify_drafts_long():
+    policy = _policy(lambda rows: 0.07, draft=0.01)
+    assert policy.choose_k([0.95], [8]) == [8]
+
+
+def test_low_acceptance_switches_speculation_off():
+    policy = _policy(lambda rows: 0.07, draft=0.03)
+    assert policy.choose_k([0.2], [8]) == [0]
+
+
+def test_compute_bound_verify_turns_speculation_off_for_a_large_batch():
+    policy = _policy(lambda rows: 0.05 + 0.01 * rows, draft=0.02)
+    assert policy.choose_k([0.8], [8])[0] > 0
+    assert policy.choose_k([0.8] * 16, [8] * 16) == [0] * 16
+
+
+def test_caps_are_respected():
+    policy = _policy(lambda rows: 0.07, draft=0.005)
+    assert policy.choose_k([0.95, 0.95, 0.95], [8, 2, 0]) == [8, 2, 0]
+
+
+def test_adaptive_engine_is_greedy_exact(pair):
+    target, draft = pair
+    reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
+    engine = make_engine(target, draft, num_speculative_tokens=8, adaptive_k=True)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert engine.stats.num_draft_tokens > 0
+
+
+def test_adaptive_engine_stops_drafting_when_the_draft_never_pays(pair):
+    """A draft priced far above the target: every step is plain decoding, output unchanged."""
+    target, draft = pair
+    reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
+    engine = make_engine(target, draft, num_speculative_tokens=8, adaptive_k=True)
+    engine.policy.draft_cost.prior = 1e6
+    engine.policy.draft_cost.observe = lambda size, seconds: None  # keep the price
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert engine.stats.num_draft_tokens == 0
