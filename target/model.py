@@ -43,6 +43,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections
+
+    def fuse_projections(self, fuse, kind: type) -> None:
+        """Replace q/k/v by one module computing all three (when all are of type `kind`)."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if all(isinstance(p, kind) for p in parts):
+            self.qkv_proj = fuse(parts)
+            self.q_proj = self.k_proj = self.v_proj = None
 
     def forward(
         self,
@@ -54,9 +62,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
+            q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(layer_idx)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
         out = paged_attention(
@@ -71,9 +84,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections
+
+    def fuse_projections(self, fuse, kind: type) -> None:
+        """Replace gate/up by one module computing both (when both are of type `kind`)."""
+        if isinstance(self.gate_proj, kind) and isinstance(self.up_proj, kind):
+            self.gate_up_proj = fuse([self.gate_proj, self.up_proj])
+            self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

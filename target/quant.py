@@ -110,10 +110,29 @@ class Int8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def prepack_int8(model: nn.Module) -> None:
-    """Pack every `Int8Linear` for fbgemm now (two threads: packing is ~60 ms per 14M weights)."""
+def fuse_int8(parts: list[Int8Linear]) -> Int8Linear:
+    """One `Int8Linear` whose output is the concatenation of `parts`' outputs (same input).
+
+    Exact: weights keep their per-channel scales and every row's activation scale is the same.
+    """
+    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+    has_bias = any(p.bias is not None for p in parts)
+    return Int8Linear(
+        torch.cat([p.weight_int8 for p in parts]), torch.cat([p.weight_scale for p in parts]),
+        torch.cat(biases) if has_bias else None,
+    )
+
+
+def prepare_int8(model: nn.Module) -> None:
+    """Fuse q/k/v and gate/up where they are `Int8Linear` (fewer, larger GEMMs: ~85 fewer calls
+    per forward for a 28-layer model), then pack every `Int8Linear` for fbgemm now (two threads:
+    packing is ~60 ms per 14M weights)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    for module in model.modules():
+        fuse = getattr(module, "fuse_projections", None)
+        if fuse is not None:
+            fuse(fuse_int8, Int8Linear)
     modules = [m for m in model.modules() if isinstance(m, Int8Linear) and m._packed is None]
     with ThreadPoolExecutor(max_workers=max(1, min(2, torch.get_num_threads()))) as pool:
         list(pool.map(Int8Linear.prepack, modules))
