@@ -63,7 +63,7 @@ def expected_tokens(a: float, k: int) -> float:
 class CostTable:
     """Seconds per call, averaged per power-of-two bucket of a size (1, 2, 3-4, 5-8, ...)."""
 
-    def __init__(self, prior: float) -> None:
+    def __init__(self, prior: float | None) -> None:
         self.prior = prior
         self.seconds: dict[int, float] = {}
 
@@ -86,13 +86,25 @@ class CostTable:
         return self.seconds[nearest]
 
 
+DRAFT_PRIOR_RATIO = 0.3  # an unmeasured draft step is priced at this share of a target forward
+
+
 class SpeculationPolicy:
-    """Chooses k per step; fed with the timings of draft passes and target forwards."""
+    """Chooses k per step; fed with the timings of draft passes and target forwards.
+
+    Until the draft has been timed, a draft step is priced at `DRAFT_PRIOR_RATIO` of a target
+    forward (whatever the target's table holds, measured or not), so target-only traffic that
+    fills the target's table first cannot price speculation out before it was ever tried.
+    """
 
     def __init__(self) -> None:
-        # Priors (relative units) only matter until the first timings arrive.
         self.verify_cost = CostTable(prior=1.0)  # one target forward, by rows
-        self.draft_cost = CostTable(prior=0.3)  # one draft step, by batch size
+        self.draft_cost = CostTable(prior=None)  # one draft step, by batch size
+
+    def draft_step_cost(self, batch: int) -> float:
+        if self.draft_cost.seconds or self.draft_cost.prior is not None:
+            return self.draft_cost(batch)
+        return DRAFT_PRIOR_RATIO * self.verify_cost(batch)
 
     def choose_k(self, rates: list[float], caps: list[int]) -> list[int]:
         """Each sequence's k (<= its cap) maximizing the batch's expected tokens per second."""
@@ -102,7 +114,7 @@ class SpeculationPolicy:
             tokens = sum(expected_tokens(a, kk) for a, kk in zip(rates, ks))
             seconds = self.verify_cost(sum(ks) + len(ks))
             if k:
-                seconds += max(ks) * self.draft_cost(sum(1 for kk in ks if kk))
+                seconds += max(ks) * self.draft_step_cost(sum(1 for kk in ks if kk))
             if tokens / seconds > best_rate * 1.0001:  # ties go to the smaller k
                 best_k, best_rate = k, tokens / seconds
         return [min(best_k, cap) for cap in caps]

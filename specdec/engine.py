@@ -145,6 +145,10 @@ class Engine:
             return []
         sampling = self._sampling_tensors(seqs)
         ks = [self.scheduler.num_draft(s) for s in seqs]
+        if isinstance(self.proposer, DraftModelProposer):
+            # A sequence's prefill step does not draft: its first token comes after the target's
+            # prefill alone (TTFT), and the draft's prefill moves to the next step.
+            ks = [0 if s.num_tokens - s.target_table.num_computed > 1 else k for s, k in zip(seqs, ks)]
         if self.policy is not None:
             ks = self.policy.choose_k([s.acceptance.rate for s in seqs], ks)
         if self.proposer is not None and any(ks):

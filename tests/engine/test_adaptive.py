@@ -68,6 +68,13 @@ def test_compute_bound_verify_turns_speculation_off_for_a_large_batch():
     assert policy.choose_k([0.8] * 16, [8] * 16) == [0] * 16
 
 
+def test_target_timings_alone_do_not_price_out_an_untried_draft():
+    """Target-only traffic fills the target's table first; speculation must still get tried."""
+    policy = SpeculationPolicy()
+    policy.verify_cost.observe(1, 0.06)
+    assert policy.choose_k([0.7], [8])[0] > 0
+
+
 def test_caps_are_respected():
     policy = _policy(lambda rows: 0.07, draft=0.005)
     assert policy.choose_k([0.95, 0.95, 0.95], [8, 2, 0]) == [8, 2, 0]
