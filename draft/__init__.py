@@ -1,6 +1,7 @@
-"""Proposers: a draft model with its own paged cache, or n-gram prompt lookup."""
+"""Proposers: a draft model with its own paged cache, n-gram prompt lookup, or both (hybrid)."""
 
 from specdec.draft.base import DraftOutput, DraftSequence, Proposer, SamplingTensors
+from specdec.draft.hybrid import HybridProposer
 from specdec.draft.model_proposer import DraftModelProposer
 from specdec.draft.ngram import NgramProposer
 
@@ -8,6 +9,7 @@ __all__ = [
     "DraftModelProposer",
     "DraftOutput",
     "DraftSequence",
+    "HybridProposer",
     "NgramProposer",
     "Proposer",
     "SamplingTensors",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdec.cache import BlockPool
@@ -21,8 +23,12 @@ class DraftModelProposer:
     Example: tokens [a b c], draft cache holds [a b], k=3 -> feeds [c] -> d1; [d1] -> d2; [d2] -> d3.
     """
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, timed: bool = False) -> None:
         self.runner = runner
+        # With `timed`, every draft forward appends (rows fed, seconds) here for the adaptive-k
+        # policy, which reads and clears it (on CUDA this costs a sync per forward).
+        self.timed = timed
+        self.forward_seconds: list[tuple[int, float]] = []
 
     @property
     def pool(self) -> BlockPool:
@@ -43,7 +49,7 @@ class DraftModelProposer:
         rows = [i for i in range(b) if num_draft[i] > 0]
         windows = [self._catch_up(seqs[i]) for i in rows]
         for j in range(k):
-            logits = self.runner.forward(windows)  # [A, V]
+            logits = self._forward(windows)  # [A, V]
             step_sampling = sampling.select(rows)
             step_probs = warp_probs(
                 logits, step_sampling.temperature, step_sampling.top_k, step_sampling.top_p
@@ -60,6 +66,16 @@ class DraftModelProposer:
                 break
             windows = [Window(seqs[i].draft_table, step_tokens[a : a + 1]) for a, i in zip(keep, rows)]
         return DraftOutput(token_ids, probs, list(num_draft))
+
+    def _forward(self, windows: list[Window]) -> torch.Tensor:
+        if not self.timed:
+            return self.runner.forward(windows)
+        start = time.perf_counter()
+        logits = self.runner.forward(windows)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.forward_seconds.append((sum(len(w.token_ids) for w in windows), time.perf_counter() - start))
+        return logits
 
     @staticmethod
     def _catch_up(seq: DraftSequence) -> Window:

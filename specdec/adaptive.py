@@ -1,7 +1,9 @@
 """Adaptive speculation: each step's k from measured costs and each sequence's running acceptance.
 
-A step that drafts k tokens for a batch of B sequences costs `k * c_draft(B) + c_verify(rows)`,
-rows = sum of the windows (k + 1 each), and emits, per sequence with per-token acceptance `a`,
+A step that drafts k tokens for B sequences costs `c_draft(lag rows) + (k - 1) * c_draft(B) +
+c_verify(rows)`: the first draft forward feeds what each draft cache lacks (1 token normally, more
+after steps that did not draft), the others one row per sequence, and the verify pass takes the
+windows (k + 1 rows each). It emits, per sequence with per-token acceptance `a`,
 
     E(a, k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)        tokens on average.
 
@@ -11,7 +13,7 @@ switches off when verifying extra rows stops being nearly free (large batches on
 kernel) or the draft costs more than it saves.
 
 Costs are measured, not assumed: `CostTable` keeps an exponential average of wall-clock seconds
-per power-of-two bucket of its key (rows for the target, batch size for one draft step). A bucket
+per power-of-two bucket of the rows a forward takes (target forwards; draft-model forwards). A bucket
 never measured borrows its nearest measured neighbour, so untried sizes look as cheap as the
 closest known one and get tried. Acceptance is per sequence, from exponentially decayed counts
 with a prior; steps that drafted nothing decay the counts back toward the prior, so a sequence
@@ -99,22 +101,29 @@ class SpeculationPolicy:
 
     def __init__(self) -> None:
         self.verify_cost = CostTable(prior=1.0)  # one target forward, by rows
-        self.draft_cost = CostTable(prior=None)  # one draft step, by batch size
+        self.draft_cost = CostTable(prior=None)  # one draft forward, by rows fed
 
-    def draft_step_cost(self, batch: int) -> float:
+    def draft_forward_cost(self, rows: int) -> float:
         if self.draft_cost.seconds or self.draft_cost.prior is not None:
-            return self.draft_cost(batch)
-        return DRAFT_PRIOR_RATIO * self.verify_cost(batch)
+            return self.draft_cost(rows)
+        return DRAFT_PRIOR_RATIO * self.verify_cost(rows)
 
-    def choose_k(self, rates: list[float], caps: list[int]) -> list[int]:
-        """Each sequence's k (<= its cap) maximizing the batch's expected tokens per second."""
+    def choose_k(self, rates: list[float], caps: list[int], lags: list[int] | None = None) -> list[int]:
+        """Each sequence's k (<= its cap) maximizing the batch's expected tokens per second.
+
+        `lags[b]`: tokens sequence b's draft cache lacks (1 normally; more after steps without
+        drafting), all fed in the first draft forward; then k - 1 forwards of one row each.
+        """
+        lags = lags or [1] * len(caps)
         best_k, best_rate = 0, 0.0
         for k in range(max(caps, default=0) + 1):
             ks = [min(k, cap) for cap in caps]
             tokens = sum(expected_tokens(a, kk) for a, kk in zip(rates, ks))
             seconds = self.verify_cost(sum(ks) + len(ks))
             if k:
-                seconds += max(ks) * self.draft_step_cost(sum(1 for kk in ks if kk))
+                drafting = [b for b, kk in enumerate(ks) if kk]
+                seconds += self.draft_forward_cost(sum(max(1, lags[b]) for b in drafting))
+                seconds += (max(ks) - 1) * self.draft_forward_cost(len(drafting))
             if tokens / seconds > best_rate * 1.0001:  # ties go to the smaller k
                 best_k, best_rate = k, tokens / seconds
         return [min(best_k, cap) for cap in caps]

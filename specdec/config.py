@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PROPOSERS = ("draft", "ngram", "none")
+PROPOSERS = ("draft", "hybrid", "ngram", "none")
 QUANT_MODES = ("none", "int4", "auto", "w8a8")
 KV_DTYPES = ("auto", "fp8")
 
@@ -44,7 +44,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
-        if self.proposer == "draft" and not self.draft:
+        if self.uses_draft_model and not self.draft:
             raise ValueError("proposer 'draft' needs a draft model")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
@@ -64,6 +64,10 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_gib must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.proposer in ("draft", "hybrid")
 
     @property
     def speculative(self) -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from specdec.adaptive import SpeculationPolicy
 from specdec.config import EngineConfig
-from specdec.draft import DraftModelProposer, NgramProposer, Proposer, SamplingTensors
+from specdec.draft import DraftModelProposer, HybridProposer, NgramProposer, Proposer, SamplingTensors
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler
 from specdec.sequence import RequestOutput, Sequence, SequenceStatus, StepDelta, TokenOrigin
@@ -51,8 +51,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.target, draft_runner = build_runners(config, target, draft)
         self.proposer: Proposer | None = None
-        if config.speculative and config.proposer == "draft":
-            self.proposer = DraftModelProposer(draft_runner)
+        if config.speculative and config.uses_draft_model:
+            model = DraftModelProposer(draft_runner, timed=config.adaptive_k)
+            self.proposer = model if config.proposer == "draft" else HybridProposer(model)
         elif config.speculative and config.proposer == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max, self.target.device)
         self.max_model_len = self._max_model_len(draft_runner)
@@ -145,19 +146,18 @@ class Engine:
             return []
         sampling = self._sampling_tensors(seqs)
         ks = [self.scheduler.num_draft(s) for s in seqs]
-        if isinstance(self.proposer, DraftModelProposer):
+        if self.proposer is not None and self.proposer.pool is not None:  # a draft model
             # A sequence's prefill step does not draft: its first token comes after the target's
             # prefill alone (TTFT), and the draft's prefill moves to the next step.
             ks = [0 if s.num_tokens - s.target_table.num_computed > 1 else k for s, k in zip(seqs, ks)]
         if self.policy is not None:
-            ks = self.policy.choose_k([s.acceptance.rate for s in seqs], ks)
+            lags = [s.num_tokens - (s.draft_table.num_computed if s.draft_table else s.num_tokens - 1) for s in seqs]
+            ks = self.policy.choose_k([s.acceptance.rate for s in seqs], ks, lags)
         if self.proposer is not None and any(ks):
-            timed = self.policy is not None and all(_draft_caught_up(s) for s, k in zip(seqs, ks) if k)
             start = time.perf_counter()
             draft = self.proposer.propose(seqs, ks, sampling)
-            if timed:
-                self._sync()
-                self.policy.draft_cost.observe(sum(1 for k in ks if k), (time.perf_counter() - start) / max(ks))
+            if self.policy is not None:
+                self._observe_draft(ks, time.perf_counter() - start)
             num_draft, k = draft.num_draft, max(draft.num_draft)
             draft_ids = draft.token_ids[:, :k]  # [B, k]
             draft_probs = draft.probs[:, :k] if draft.probs is not None else None  # [B, k, V]
@@ -183,6 +183,17 @@ class Engine:
         return [
             self._commit(s, token_rows[b], accepted[b], num_draft[b]) for b, s in enumerate(seqs)
         ]
+
+    def _observe_draft(self, ks: list[int], seconds: float) -> None:
+        """Feed the policy the draft model's per-forward timings (a model-free proposer: the
+        whole call, per drafted position)."""
+        timings = getattr(self.proposer, "forward_seconds", None)
+        if timings is None:
+            self.policy.draft_cost.observe(sum(1 for k in ks if k), seconds / max(ks))
+            return
+        for rows, secs in timings:
+            self.policy.draft_cost.observe(rows, secs)
+        timings.clear()
 
     def _sync(self) -> None:
         """Timings need the device's queue drained (CPU work is already done when it returns)."""
@@ -311,12 +322,6 @@ class Engine:
             name: {"total": p.num_blocks, "free": p.num_free, "used": p.num_used}
             for name, p in pools.items()
         }
-
-
-def _draft_caught_up(seq: Sequence) -> bool:
-    """The draft lacks at most the last step's two tokens (no catch-up prefill to time)."""
-    table = seq.draft_table
-    return table is None or seq.num_tokens - table.num_computed <= 2
 
 
 def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:

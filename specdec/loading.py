@@ -29,7 +29,7 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     tokenizer = load_tokenizer(target_dir)
     target = load_model(target_dir, dtype, device, config.target_quant)
     draft = None
-    if config.speculative and config.proposer == "draft":
+    if config.speculative and config.uses_draft_model:
         draft_dir = resolve_model(config.draft)
         check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), config)
         draft = load_model(draft_dir, dtype, device, config.draft_quant)
@@ -55,7 +55,7 @@ def build_runners(
     config: EngineConfig, target: torch.nn.Module, draft: torch.nn.Module | None
 ) -> tuple[ModelRunner, ModelRunner | None]:
     """Size both paged caches so they hold the same number of tokens within the memory budget."""
-    uses_draft = config.speculative and config.proposer == "draft"
+    uses_draft = config.speculative and config.uses_draft_model
     if uses_draft and draft is None:
         raise ValueError("proposer 'draft' needs a draft model")
     models = [target] + ([draft] if uses_draft else [])

@@ -75,6 +75,15 @@ def test_target_timings_alone_do_not_price_out_an_untried_draft():
     assert policy.choose_k([0.7], [8])[0] > 0
 
 
+def test_a_long_draft_catch_up_is_priced_in():
+    """After steps without drafting the draft cache lags; feeding the lag costs a wide forward."""
+    policy = _policy(lambda rows: 0.07, draft=0.02)
+    for rows, seconds in ((32, 0.3), (64, 0.6)):
+        policy.draft_cost.observe(rows, seconds)
+    assert policy.choose_k([0.8], [8], lags=[1])[0] > 0
+    assert policy.choose_k([0.8], [8], lags=[60]) == [0]
+
+
 def test_caps_are_respected():
     policy = _policy(lambda rows: 0.07, draft=0.005)
     assert policy.choose_k([0.95, 0.95, 0.95], [8, 2, 0]) == [8, 2, 0]
@@ -94,6 +103,6 @@ def test_adaptive_engine_stops_drafting_when_the_draft_never_pays(pair):
     reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
     engine = make_engine(target, draft, num_speculative_tokens=8, adaptive_k=True)
     engine.policy.draft_cost.prior = 1e6
-    engine.policy.draft_cost.observe = lambda size, seconds: None  # keep the price
+    engine.policy.draft_cost.observe = lambda rows, seconds: None  # keep the price
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     assert engine.stats.num_draft_tokens == 0

@@ -86,3 +86,11 @@ def test_per_request_k_including_zero(pair, reference):
         for d in engine.step():
             outs.setdefault(d.request_id, []).extend(d.token_ids)
     assert [outs[i] for i in ids] == reference
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_hybrid_proposer_greedy_equality(pair, reference, k):
+    target, draft = pair
+    engine = make_engine(target, draft, proposer="hybrid", num_speculative_tokens=k)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert engine.stats.num_draft_tokens > 0

@@ -57,3 +57,32 @@ def test_engine_output_distribution_is_the_targets(params):
     tv = 0.5 * (empirical - exact).abs().sum().item()
     assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
     assert 0.02 < engine.stats.acceptance_rate < 0.98  # drafts are both accepted and rejected
+
+
+def test_hybrid_proposer_output_distribution_is_the_targets():
+    """Prompt-lookup rows (q one-hot) and draft-model rows verified together stay lossless.
+
+    The prompt ends with a repeated 3-gram, so the speculative step (the second token) uses prompt
+    lookup whenever the first token continues the repeat, and the draft model otherwise.
+    """
+    global PROMPT
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    hf_target = tiny_hf_model("llama", seed=3, vocab_size=V)
+    hf_draft = tiny_hf_model("llama", seed=4, vocab_size=V, num_hidden_layers=1)
+    saved, PROMPT = PROMPT, [3, 5, 1, 2, 3, 5, 1]
+    try:
+        engine = make_engine(from_hf(hf_target), from_hf(hf_draft), proposer="hybrid",
+                             num_speculative_tokens=3, max_num_seqs=N, num_blocks=3 * N, block_size=4)
+        lookups = []
+        lookup = engine.proposer.ngram.lookup
+        engine.proposer.ngram.lookup = lambda tokens, k: lookups.append(bool(r := lookup(tokens, k))) or r
+        torch.manual_seed(0)
+        outs = engine.generate([PROMPT] * N, params)
+        counts = torch.zeros(V, V)
+        for o in outs:
+            counts[o.token_ids[0], o.token_ids[1]] += 1
+        tv = 0.5 * (counts / N - _exact_joint(hf_target, params)).abs().sum().item()
+    finally:
+        PROMPT = saved
+    assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
+    assert 0.02 < sum(lookups) / len(lookups) < 0.98  # both kinds of rows were verified
