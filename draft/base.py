@@ -56,6 +56,7 @@ class DraftOutput:
     token_ids: torch.Tensor  # [B, k] int64
     probs: torch.Tensor | None  # [B, k, V] float32
     num_draft: list[int]  # [B] drafts actually proposed per row
+    looked_up: list[bool] | None = None  # [B] row proposed by prompt lookup, not the model (hybrid)
 
 
 class Proposer(Protocol):

@@ -45,27 +45,31 @@ class HybridProposer:
         return self.model.draft_slots_needed(num_tokens, num_draft)
 
     def propose(
-        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
+        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors,
+        lookup_limits: list[int] | None = None,
     ) -> DraftOutput:
-        looked_up = [self.ngram.lookup(s.token_ids, k) for s, k in zip(seqs, num_draft)]
+        """`num_draft[b]` bounds the draft model's proposals; prompt lookup, which costs nothing,
+        may propose up to `lookup_limits[b]` (default: `num_draft[b]`), even where that is 0."""
+        limits = lookup_limits if lookup_limits is not None else num_draft
+        looked_up = [self.ngram.lookup(s.token_ids, n) for s, n in zip(seqs, limits)]
         model_k = [0 if found else k for found, k in zip(looked_up, num_draft)]
-        k = max(num_draft, default=0)
+        counts = [len(found) if found else mk for found, mk in zip(looked_up, model_k)]
+        k = max(counts, default=0)
         device = self.model.runner.device
         out = self.model.propose(seqs, model_k, sampling) if any(model_k) else None
         token_ids = torch.full((len(seqs), k), -1, dtype=torch.long, device=device)  # [B, k]
-        counts = [len(found) if found else mk for found, mk in zip(looked_up, model_k)]
         if out is not None:
-            width = out.token_ids.shape[1]
-            token_ids[:, :width] = out.token_ids
+            token_ids[:, : out.token_ids.shape[1]] = out.token_ids
         for b, found in enumerate(looked_up):
             if found:
                 token_ids[b, : len(found)] = torch.tensor(found, dtype=torch.long, device=device)
+        from_lookup = [bool(found) for found in looked_up]
         if out is None or out.probs is None:
-            return DraftOutput(token_ids, None, counts)
+            return DraftOutput(token_ids, None, counts, from_lookup)
         probs = torch.zeros(len(seqs), k, out.probs.shape[-1], device=device)  # [B, k, V]
         probs[:, : out.probs.shape[1]] = out.probs
         for b, found in enumerate(looked_up):
             if found:  # q one-hot at the looked-up tokens
                 probs[b, : len(found)] = 0
                 probs[b, torch.arange(len(found)), torch.tensor(found)] = 1.0
-        return DraftOutput(token_ids, probs, counts)
+        return DraftOutput(token_ids, probs, counts, from_lookup)

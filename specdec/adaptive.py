@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRIOR_ACCEPTANCE = 0.7
+PRIOR_ACCEPTANCE = 0.8  # a draft of the target's family; a prior under break-even never retries
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed draft tokens
 DECAY = 0.9  # per step: older verify results weigh less
 COST_EMA = 0.3  # weight of a new timing in its bucket's average

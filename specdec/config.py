@@ -19,7 +19,7 @@ class EngineConfig:
 
     target: str = "default-target"
     draft: str | None = "default-draft"
-    proposer: str = "draft"
+    proposer: str = "hybrid"
     num_speculative_tokens: int = 8  # the most drafted per step (with adaptive_k, a cap)
     adaptive_k: bool = True  # choose each step's k from measured costs and acceptance
     dtype: str = "bfloat16"

@@ -20,6 +20,10 @@ from specdec.target.runner import ModelRunner, Window
 from specdec.verify import AcceptanceStats, rejection_sample, warp_probs
 
 
+MAX_PRICED_LAG = 8
+LOOKUP_MIN_TOKENS = 4  # hybrid: prompt lookup may propose this many even where the policy drafts fewer
+
+
 class Engine:
     """A speculative-decoding engine over a target and (optionally) a draft model.
 
@@ -150,19 +154,30 @@ class Engine:
             # A sequence's prefill step does not draft: its first token comes after the target's
             # prefill alone (TTFT), and the draft's prefill moves to the next step.
             ks = [0 if s.num_tokens - s.target_table.num_computed > 1 else k for s, k in zip(seqs, ks)]
+        caps = list(ks)
         if self.policy is not None:
-            lags = [s.num_tokens - (s.draft_table.num_computed if s.draft_table else s.num_tokens - 1) for s in seqs]
+            # A draft cache that lags by the whole prompt must catch up once, whatever k; pricing
+            # that would keep speculation off forever, so the lag is priced up to a few rows.
+            lags = [min(MAX_PRICED_LAG, s.num_tokens - (s.draft_table.num_computed if s.draft_table
+                                                       else s.num_tokens - 1)) for s in seqs]
             ks = self.policy.choose_k([s.acceptance.rate for s in seqs], ks, lags)
-        if self.proposer is not None and any(ks):
+        lookup = isinstance(self.proposer, HybridProposer)
+        if self.proposer is not None and (any(ks) or lookup and any(caps)):
             start = time.perf_counter()
-            draft = self.proposer.propose(seqs, ks, sampling)
+            if lookup:  # prompt lookup costs no forward: it may propose where the model would not
+                limits = [max(k, min(cap, LOOKUP_MIN_TOKENS)) for k, cap in zip(ks, caps)]
+                draft = self.proposer.propose(seqs, ks, sampling, lookup_limits=limits)
+            else:
+                draft = self.proposer.propose(seqs, ks, sampling)
             if self.policy is not None:
                 self._observe_draft(ks, time.perf_counter() - start)
             num_draft, k = draft.num_draft, max(draft.num_draft)
+            model_rows = [not x for x in draft.looked_up] if draft.looked_up else [True] * len(seqs)
             draft_ids = draft.token_ids[:, :k]  # [B, k]
             draft_probs = draft.probs[:, :k] if draft.probs is not None else None  # [B, k, V]
         else:
             num_draft, k = [0] * len(seqs), 0
+            model_rows = [True] * len(seqs)
             draft_ids = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
             draft_probs = None
         windows = [self._verify_window(s, draft_ids[b, : num_draft[b]]) for b, s in enumerate(seqs)]
@@ -180,6 +195,9 @@ class Engine:
             sampling.generators, greedy=sampling.all_greedy,
         )
         token_rows, accepted = out.token_ids.tolist(), out.num_accepted.tolist()  # the one host sync
+        for b, s in enumerate(seqs):
+            if model_rows[b]:  # the adaptive estimate is of the draft model's acceptance
+                s.acceptance.update(num_draft[b], accepted[b])
         return [
             self._commit(s, token_rows[b], accepted[b], num_draft[b]) for b, s in enumerate(seqs)
         ]
@@ -227,7 +245,6 @@ class Engine:
             TokenOrigin.BONUS if num_accepted == num_draft else TokenOrigin.RECOVERED
         )
         origins = [TokenOrigin.ACCEPTED] * num_accepted + [last]
-        seq.acceptance.update(num_draft, num_accepted)
         if num_draft > 0:
             seq.stats.update(num_draft, num_accepted)
             self.stats.update(num_draft, num_accepted)
