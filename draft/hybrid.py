@@ -71,5 +71,5 @@ class HybridProposer:
         for b, found in enumerate(looked_up):
             if found:  # q one-hot at the looked-up tokens
                 probs[b, : len(found)] = 0
-                probs[b, torch.arange(len(found)), torch.tensor(found)] = 1.0
+                probs[b, torch.arange(len(found), device=device), torch.tensor(found, device=device)] = 1.0
         return DraftOutput(token_ids, probs, counts, from_lookup)

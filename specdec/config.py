@@ -45,7 +45,7 @@ class EngineConfig:
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
         if self.uses_draft_model and not self.draft:
-            raise ValueError("proposer 'draft' needs a draft model")
+            raise ValueError(f"proposer {self.proposer!r} needs a draft model")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
         if self.block_size < 1:

@@ -149,37 +149,8 @@ class Engine:
         if not seqs:
             return []
         sampling = self._sampling_tensors(seqs)
-        ks = [self.scheduler.num_draft(s) for s in seqs]
-        if self.proposer is not None and self.proposer.pool is not None:  # a draft model
-            # A sequence's prefill step does not draft: its first token comes after the target's
-            # prefill alone (TTFT), and the draft's prefill moves to the next step.
-            ks = [0 if s.num_tokens - s.target_table.num_computed > 1 else k for s, k in zip(seqs, ks)]
-        caps = list(ks)
-        if self.policy is not None:
-            # A draft cache that lags by the whole prompt must catch up once, whatever k; pricing
-            # that would keep speculation off forever, so the lag is priced up to a few rows.
-            lags = [min(MAX_PRICED_LAG, s.num_tokens - (s.draft_table.num_computed if s.draft_table
-                                                       else s.num_tokens - 1)) for s in seqs]
-            ks = self.policy.choose_k([s.acceptance.rate for s in seqs], ks, lags)
-        lookup = isinstance(self.proposer, HybridProposer)
-        if self.proposer is not None and (any(ks) or lookup and any(caps)):
-            start = time.perf_counter()
-            if lookup:  # prompt lookup costs no forward: it may propose where the model would not
-                limits = [max(k, min(cap, LOOKUP_MIN_TOKENS)) for k, cap in zip(ks, caps)]
-                draft = self.proposer.propose(seqs, ks, sampling, lookup_limits=limits)
-            else:
-                draft = self.proposer.propose(seqs, ks, sampling)
-            if self.policy is not None:
-                self._observe_draft(ks, time.perf_counter() - start)
-            num_draft, k = draft.num_draft, max(draft.num_draft)
-            model_rows = [not x for x in draft.looked_up] if draft.looked_up else [True] * len(seqs)
-            draft_ids = draft.token_ids[:, :k]  # [B, k]
-            draft_probs = draft.probs[:, :k] if draft.probs is not None else None  # [B, k, V]
-        else:
-            num_draft, k = [0] * len(seqs), 0
-            model_rows = [True] * len(seqs)
-            draft_ids = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
-            draft_probs = None
+        ks, caps = self._choose_k(seqs)
+        num_draft, draft_ids, draft_probs, model_rows = self._propose(seqs, ks, caps, sampling)
         windows = [self._verify_window(s, draft_ids[b, : num_draft[b]]) for b, s in enumerate(seqs)]
         decode_only = all(s.num_tokens - s.target_table.num_computed == 1 for s in seqs)
         start = time.perf_counter()
@@ -201,6 +172,44 @@ class Engine:
         return [
             self._commit(s, token_rows[b], accepted[b], num_draft[b]) for b, s in enumerate(seqs)
         ]
+
+    def _choose_k(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """This step's k per sequence (the policy's pick) and its cap (what slots allow)."""
+        caps = [self.scheduler.num_draft(s) for s in seqs]
+        if self.proposer is not None and self.proposer.pool is not None:  # a draft model
+            # A sequence's prefill step does not draft: its first token comes after the target's
+            # prefill alone (TTFT), and the draft's prefill moves to the next step.
+            caps = [0 if s.num_tokens - s.target_table.num_computed > 1 else k for s, k in zip(seqs, caps)]
+        if self.policy is None:
+            return caps, caps
+        # A draft cache that lags by the whole prompt must catch up once, whatever k; pricing that
+        # would keep speculation off forever, so the lag is priced up to a few rows.
+        lags = [
+            min(MAX_PRICED_LAG, s.num_tokens - s.draft_table.num_computed) if s.draft_table else 1
+            for s in seqs
+        ]
+        return self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags), caps
+
+    def _propose(
+        self, seqs: list[Sequence], ks: list[int], caps: list[int], sampling: SamplingTensors
+    ) -> tuple[list[int], torch.Tensor, torch.Tensor | None, list[bool]]:
+        """Drafts per sequence: (counts, ids [B, k], q [B, k, V] or None, rows the model drafted)."""
+        lookup = isinstance(self.proposer, HybridProposer)
+        if self.proposer is None or not (any(ks) or lookup and any(caps)):
+            empty = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
+            return [0] * len(seqs), empty, None, [True] * len(seqs)
+        start = time.perf_counter()
+        if lookup:  # prompt lookup costs no forward: it may propose where the model would not
+            limits = [max(k, min(cap, LOOKUP_MIN_TOKENS)) for k, cap in zip(ks, caps)]
+            draft = self.proposer.propose(seqs, ks, sampling, lookup_limits=limits)
+        else:
+            draft = self.proposer.propose(seqs, ks, sampling)
+        if self.policy is not None:
+            self._observe_draft(ks, time.perf_counter() - start)
+        k = max(draft.num_draft)
+        probs = draft.probs[:, :k] if draft.probs is not None else None  # [B, k, V]
+        model_rows = [not x for x in draft.looked_up] if draft.looked_up else [True] * len(seqs)
+        return draft.num_draft, draft.token_ids[:, :k], probs, model_rows
 
     def _observe_draft(self, ks: list[int], seconds: float) -> None:
         """Feed the policy the draft model's per-forward timings (a model-free proposer: the
