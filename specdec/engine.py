@@ -195,12 +195,15 @@ class Engine:
     ) -> tuple[list[int], torch.Tensor, torch.Tensor | None, list[bool]]:
         """Drafts per sequence: (counts, ids [B, k], q [B, k, V] or None, rows the model drafted)."""
         lookup = isinstance(self.proposer, HybridProposer)
-        if self.proposer is None or not (any(ks) or lookup and any(caps)):
+        if self.proposer is None or not (any(ks) or lookup and len(seqs) == 1 and any(caps)):
             empty = torch.empty(len(seqs), 0, dtype=torch.long, device=self.device)
             return [0] * len(seqs), empty, None, [True] * len(seqs)
         start = time.perf_counter()
-        if lookup:  # prompt lookup costs no forward: it may propose where the model would not
-            limits = [max(k, min(cap, LOOKUP_MIN_TOKENS)) for k, cap in zip(ks, caps)]
+        if lookup:  # prompt lookup costs no forward: it may propose where the model would not,
+            # unless the policy switched drafting off for a whole batch (extra verify rows are
+            # then not free: that is why it did)
+            under_load = len(seqs) > 1 and not any(ks)
+            limits = ks if under_load else [max(k, min(cap, LOOKUP_MIN_TOKENS)) for k, cap in zip(ks, caps)]
             draft = self.proposer.propose(seqs, ks, sampling, lookup_limits=limits)
         else:
             draft = self.proposer.propose(seqs, ks, sampling)
