@@ -27,7 +27,12 @@ def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
     from specdec.target.default_pair import cache_dir
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    key = "|".join([FORMAT_VERSION, str(Path(model_dir).resolve()), mode, str(dtype)]
+    recipe = mode
+    if mode == "w8a8":  # the smoothing depends on the calibration text and alpha
+        from specdec.target.smoothing import signature
+
+        recipe = f"{mode}:{signature()}"
+    key = "|".join([FORMAT_VERSION, str(Path(model_dir).resolve()), recipe, str(dtype)]
                    + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "quantized" / f"{Path(model_dir).name}-{mode}-{digest}.safetensors"

@@ -139,6 +139,13 @@ Q: Wie spät ist es? R: Il est trois heures. 答：今天天气很好。 ¿Dónd
 '''
 
 
+def signature() -> str:
+    """Changes whenever the calibration text or alpha does (part of the cache key)."""
+    import hashlib
+
+    return hashlib.sha256(f"{ALPHA}|{CALIBRATION_TEXT}".encode()).hexdigest()[:12]
+
+
 @torch.inference_mode()
 def activation_absmax(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Per-input-channel max |x| `[K]` of every `nn.Linear`, over one forward of `token_ids`."""
