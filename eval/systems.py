@@ -54,7 +54,8 @@ class TimingStreamer:
 
 
 class TransformersDecoder:
-    """`model.generate()`, greedy, exactly `max_tokens` new tokens; assisted when given a draft."""
+    """`model.generate()`, exactly `max_tokens` new tokens, greedy unless a temperature is set;
+    assisted when given a draft."""
 
     def __init__(self, model, assistant=None, temperature: float = 0.0) -> None:
         self.model, self.assistant, self.temperature = model, assistant, temperature
@@ -84,7 +85,8 @@ class TransformersDecoder:
 
 
 class LlamaCppDecoder:
-    """llama.cpp through llama-cpp-python: greedy token loop, prompt cache reset before each run."""
+    """llama.cpp through llama-cpp-python: token loop (greedy unless a temperature is set), prompt
+    cache reset before each run."""
 
     def __init__(self, llm, temperature: float = 0.0) -> None:
         self.llm, self.temperature = llm, temperature

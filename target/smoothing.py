@@ -14,8 +14,11 @@ no run-time cost:
     lm_head      <- model.norm.weight                (the head must be untied from the embedding)
 
 `max|x_j|` comes from one forward over `CALIBRATION_TEXT` (code and prose, shipped here: nothing
-is downloaded). Measured on Qwen2.5-Coder-1.5B (teacher-forced, 400 tokens, vs the dense bf16
-model): W8A8 without smoothing KL 0.021 / top-1 agreement 0.962; with a = 0.5 KL 0.006 / 0.980.
+is downloaded). Measured on Qwen2.5-Coder-1.5B against the dense bf16 model, teacher-forced: with
+this text and a = 0.5, KL 0.009 nats/token and top-1 agreement 0.966 on 1,256 held-out tokens (3
+HumanEval, 2 ShareGPT prompts); without smoothing, KL 0.021 / 0.962 on 400 tokens of code. The
+calibration text matters: the same 400 tokens scored KL 0.012 with an earlier, shorter text and
+0.007 with a calibration text resembling them.
 """
 
 from __future__ import annotations
