@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -83,7 +84,9 @@ def paged_attention_ref(
     ``[B, max_q, Hq, D]``, and key ``j`` is masked for query ``i`` unless
     ``j <= seq_len - query_len + i``. One SDPA call per chunk of sequences (a single chunk unless
     the gathered KV would pass ``_GATHER_BYTES``). Reads only the host copies of the lengths, so
-    it never syncs with the device. Computes in the query dtype.
+    it never syncs with the device. Computes in the query dtype. The chunking, gather indices and
+    masks depend only on the metadata, so the first layer of a forward builds them
+    (``_plan_chunks``) and the other layers reuse them.
 
     Example: seq_len 7, query_len 3 -> queries sit at positions 4, 5, 6 and see keys 0..4,
     0..5 and 0..6.
@@ -91,66 +94,100 @@ def paged_attention_ref(
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     _check_heads(num_q_heads, num_kv_heads)
+    key = ("ref", query.element_size(), num_q_heads, num_kv_heads, head_dim, k_cache.shape[1])
+    chunks = meta.scratch.get(key)
+    if chunks is None:
+        chunks = meta.scratch[key] = _plan_chunks(meta, query, num_q_heads, num_kv_heads, k_cache.shape[1])
+    assert sum(c.num_rows for c in chunks) == num_tokens, "query rows do not match the metadata"
+    if not chunks:
+        return query.new_empty(0, num_q_heads, head_dim)
+    outs, row = [], 0
+    for c in chunks:
+        keys = _gather_kv(k_cache, c, k_scale, query.dtype)  # [b, Hkv, max_kv, D]
+        values = _gather_kv(v_cache, c, v_scale, query.dtype)
+        outs.append(_attend(query[row : row + c.num_rows], keys, values, c, scale))
+        row += c.num_rows
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@dataclass
+class _Chunk:
+    """One SDPA call's worth of sequences, with everything derived from their lengths."""
+
+    num_rows: int  # query tokens of these sequences
+    batch: int
+    max_q: int
+    max_kv: int
+    block_ids: torch.Tensor  # [b * nb] the blocks to gather, each sequence's padded to nb
+    rows: torch.Tensor | None  # [t] row of each query in the [b * max_q] padded layout; None: uniform
+    mask: torch.Tensor | None  # [b, 1, rows, max_kv] bool, None: every key visible (or plain causal)
+    causal: bool  # every window is a whole prompt: SDPA's own causal mask
+    folded: bool  # G query heads folded into the query axis (short windows)
+
+
+def _plan_chunks(
+    meta: AttentionMetadata, query: torch.Tensor, num_q_heads: int, num_kv_heads: int, block_size: int
+) -> list[_Chunk]:
+    head_dim, device = query.shape[2], query.device
+    group = num_q_heads // num_kv_heads
     bytes_per_seq = max(1, meta.max_seq_len * num_kv_heads * head_dim * query.element_size())
     seqs_per_chunk = max(1, _GATHER_BYTES // bytes_per_seq)
-    outs, row = [], 0
+    chunks = []
     for b0 in range(0, meta.num_seqs, seqs_per_chunk):
         seq_lens = meta.seq_lens_cpu[b0 : b0 + seqs_per_chunk]
         query_lens = meta.query_lens_cpu[b0 : b0 + seqs_per_chunk]
-        n = sum(query_lens)
-        if n == 0:
+        num_rows = sum(query_lens)
+        if num_rows == 0:
             continue
-        tables = meta.block_tables[b0 : b0 + seqs_per_chunk]  # [b, max_blocks]
-        keys = _gather_kv(k_cache, tables, max(seq_lens), k_scale, query.dtype)  # [b, Hkv, L, D]
-        values = _gather_kv(v_cache, tables, max(seq_lens), v_scale, query.dtype)
-        outs.append(_attend(query[row : row + n], keys, values, seq_lens, query_lens, scale))
-        row += n
-    assert row == num_tokens, "query rows do not match the metadata's query lengths"
-    if not outs:
-        return query.new_empty(0, num_q_heads, head_dim)
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        batch, max_q, max_kv = len(seq_lens), max(query_lens), max(seq_lens)
+        num_blocks = -(-max_kv // block_size)
+        block_ids = meta.block_tables[b0 : b0 + seqs_per_chunk, :num_blocks].reshape(-1)
+        uniform = all(q == max_q for q in query_lens)
+        rows = None if uniform else _padded_rows(query_lens, max_q, device)
+        folded = max_q <= _FOLD_MAX_QUERY_LEN
+        causal = not folded and uniform and max_q == max_kv
+        if max_q == 1 and all(s == max_kv for s in seq_lens):
+            mask = None  # one query per sequence at the end of equal-length keys: sees them all
+        elif causal:
+            mask = None
+        else:
+            mask = _causal_window_mask(seq_lens, query_lens, max_q, max_kv, device, group if folded else 1)
+        chunks.append(_Chunk(num_rows, batch, max_q, max_kv, block_ids, rows, mask, causal, folded))
+    return chunks
 
 
 def _attend(
     query: torch.Tensor,  # [t, Hq, D]
     keys: torch.Tensor,  # [b, Hkv, max_kv, D]
     values: torch.Tensor,  # [b, Hkv, max_kv, D]
-    seq_lens: list[int],
-    query_lens: list[int],
+    chunk: _Chunk,
     scale: float,
 ) -> torch.Tensor:  # [t, Hq, D]
     """One padded SDPA call for a chunk of sequences whose KV is already gathered."""
     _, num_q_heads, head_dim = query.shape
-    batch, max_q, max_kv = len(seq_lens), max(query_lens), keys.shape[2]
-    uniform = all(q == max_q for q in query_lens)
-    if uniform:
+    batch, max_q = chunk.batch, chunk.max_q
+    if chunk.rows is None:
         padded = query.view(batch, max_q, num_q_heads, head_dim)
     else:
-        rows = _padded_rows(query_lens, max_q, query.device)  # [t]
-        padded = query.new_zeros(batch * max_q, num_q_heads, head_dim).index_copy_(0, rows, query)
+        padded = query.new_zeros(batch * max_q, num_q_heads, head_dim).index_copy_(0, chunk.rows, query)
         padded = padded.view(batch, max_q, num_q_heads, head_dim)  # [b, max_q, Hq, D]
 
-    if max_q <= _FOLD_MAX_QUERY_LEN:
-        out = _sdpa_folded(padded, keys, values, seq_lens, query_lens, scale)
+    if chunk.folded:
+        out = _sdpa_folded(padded, keys, values, chunk.mask, scale)
     else:
         q = padded.transpose(1, 2)  # [b, Hq, max_q, D]
-        if uniform and max_q == max_kv:  # every window is a whole prompt: plain causal
-            mask, causal = None, True
-        else:
-            mask, causal = _causal_window_mask(seq_lens, query_lens, max_q, max_kv, q.device), False
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            q, keys, values, attn_mask=chunk.mask, is_causal=chunk.causal, scale=scale, enable_gqa=True
         ).transpose(1, 2)  # [b, max_q, Hq, D]
     out = out.reshape(batch * max_q, num_q_heads, head_dim)
-    return out if uniform else out.index_select(0, rows)
+    return out if chunk.rows is None else out.index_select(0, chunk.rows)
 
 
 def _sdpa_folded(
     padded: torch.Tensor,  # [b, max_q, Hq, D]
     keys: torch.Tensor,  # [b, Hkv, max_kv, D]
     values: torch.Tensor,  # [b, Hkv, max_kv, D]
-    seq_lens: list[int],
-    query_lens: list[int],
+    mask: torch.Tensor | None,  # [b, 1, G * max_q, max_kv] bool
     scale: float,
 ) -> torch.Tensor:  # [b, max_q, Hq, D]
     """SDPA with the G query heads of each KV head folded into the query axis (no KV repeat)."""
@@ -160,7 +197,6 @@ def _sdpa_folded(
     # row g * max_q + i of KV head h is query i of head h * G + g
     q = padded.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, num_kv_heads, group * max_q, head_dim)
-    mask = _causal_window_mask(seq_lens, query_lens, max_q, keys.shape[2], q.device, group)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     out = out.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch, max_q, num_q_heads, head_dim)
@@ -175,18 +211,14 @@ def _check_heads(num_q_heads: int, num_kv_heads: int) -> None:
 
 def _gather_kv(
     cache: torch.Tensor,  # [N, S, Hkv, D]
-    block_tables: torch.Tensor,  # [B, max_blocks]
-    max_kv: int,
+    chunk: _Chunk,
     kv_scale: float,
     dtype: torch.dtype,
-) -> torch.Tensor:  # [B, Hkv, max_kv, D]
-    """Each sequence's blocks laid out contiguously, dequantized to ``dtype``."""
+) -> torch.Tensor:  # [b, Hkv, max_kv, D]
+    """The chunk's sequences' blocks laid out contiguously, dequantized to ``dtype``."""
     _, block_size, num_heads, head_dim = cache.shape
-    num_blocks = -(-max_kv // block_size)
-    table = block_tables[:, :num_blocks]  # [B, nb]
-    batch = table.shape[0]
-    kv = cache.index_select(0, table.reshape(-1))  # [B * nb, S, Hkv, D], a fresh copy
-    kv = kv.view(batch, num_blocks * block_size, num_heads, head_dim)[:, :max_kv]
+    kv = cache.index_select(0, chunk.block_ids)  # [b * nb, S, Hkv, D], a fresh copy
+    kv = kv.view(chunk.batch, -1, num_heads, head_dim)[:, : chunk.max_kv]
     if kv.dtype != dtype:
         kv = kv.to(dtype)
     if kv_scale != 1.0:

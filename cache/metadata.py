@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,9 @@ class AttentionMetadata:
     max_seq_len: int
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    # What an attention backend derives from the fields above, computed by the first layer of a
+    # forward and reused by the others (index tensors, masks); keyed by the backend.
+    scratch: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

@@ -28,7 +28,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 as transformers does, then scale in the model dtype.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        x32 = x32 * inv_rms if x32 is x else x32.mul_(inv_rms)  # x.float() made a copy: reuse it
         return self.weight * x32.to(x.dtype)
 
 
@@ -45,31 +46,30 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
         self.qkv_proj: nn.Module | None = None  # set by fuse_projections
 
-    def fuse_projections(self, fuse, kind: type) -> None:
-        """Replace q/k/v by one module computing all three (when all are of type `kind`)."""
-        parts = [self.q_proj, self.k_proj, self.v_proj]
-        if all(isinstance(p, kind) for p in parts):
-            self.qkv_proj = fuse(parts)
+    def fuse_projections(self, fuse) -> None:
+        """Replace q/k/v by `fuse([q, k, v])`, one module computing all three (unless it is None)."""
+        if self.qkv_proj is None and (fused := fuse([self.q_proj, self.k_proj, self.v_proj])) is not None:
+            self.qkv_proj = fused
             self.q_proj = self.k_proj = self.v_proj = None
 
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
         cos: torch.Tensor,  # [T, 1, D]
-        sin: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D] signed (see apply_rope)
         kv_cache: PagedKVCache,
         layer_idx: int,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        t = x.shape[0]
-        if self.qkv_proj is not None:
-            d, hq, hkv = self.head_dim, self.num_heads, self.num_kv_heads
-            q, k, v = self.qkv_proj(x).split([hq * d, hkv * d, hkv * d], dim=-1)
+        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None:  # rotate q and k together: one rope over [T, Hq + Hkv, D]
+            qk, v = self.qkv_proj(x).split([(hq + hkv) * d, hkv * d], dim=-1)
+            q, k = apply_rope(qk.view(t, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+            q = apply_rope(self.q_proj(x).view(t, hq, d), cos, sin)
+            k = apply_rope(self.k_proj(x).view(t, hkv, d), cos, sin)
+            v = self.v_proj(x)
+        v = v.view(t, hkv, d)
         k_cache, v_cache = kv_cache.layer(layer_idx)
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
         out = paged_attention(
@@ -86,10 +86,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections
 
-    def fuse_projections(self, fuse, kind: type) -> None:
-        """Replace gate/up by one module computing both (when both are of type `kind`)."""
-        if isinstance(self.gate_proj, kind) and isinstance(self.up_proj, kind):
-            self.gate_up_proj = fuse([self.gate_proj, self.up_proj])
+    def fuse_projections(self, fuse) -> None:
+        """Replace gate/up by `fuse([gate, up])`, one module computing both (unless it is None)."""
+        if self.gate_up_proj is None and (fused := fuse([self.gate_proj, self.up_proj])) is not None:
+            self.gate_up_proj = fused
             self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

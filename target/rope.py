@@ -44,17 +44,24 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [P, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin
+        signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scaling
+        self.register_buffer("signed_sin", signed, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`positions [T]` -> `(cos [T, 1, D], sin [T, 1, D])` in `dtype`."""
+        """`positions [T]` -> `(cos [T, 1, D], signed_sin [T, 1, D])` in `dtype`, for `apply_rope`."""
         cos = self.cos[positions].to(dtype).unsqueeze(1)
-        sin = self.sin[positions].to(dtype).unsqueeze(1)
-        return cos, sin
+        signed_sin = self.signed_sin[positions].to(dtype).unsqueeze(1)
+        return cos, signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [T, H, D]` by the per-token angles."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x [T, H, D]` by the per-token angles (neox layout: `x * cos + rotate_half(x) * sin`).
+
+    `rotate_half(x) = [-x2, x1]`; with the sign folded into `signed_sin = [-sin, sin]` it is a
+    swap of the halves, one `flip` over a `[.., 2, D/2]` view: bitwise the same result. `x` may be
+    a strided view (the q|k part of a fused projection).
+    """
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [x2, x1]
+    return x * cos + swapped * signed_sin

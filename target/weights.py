@@ -42,7 +42,7 @@ def load_model(
 
 
 def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> LlamaForCausalLM:
-    from specdec.target.quant import prepare_int8, quantize_model
+    from specdec.target.quant import prepare_quantized, quantize_model
     from specdec.target.quant_cache import load_quantized, quant_cache_path, save_quantized
 
     if torch.device(device).type != "cpu":
@@ -58,7 +58,7 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
         quantize_model(model, quant, calibration_ids=_calibration_ids(model_dir) if quant == "w8a8" else None)
         _cast_dense(model, dtype)
         save_quantized(model, path)
-    prepare_int8(model)
+    prepare_quantized(model)
     return model
 
 

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from specdec.target.quant import Int4Linear, int4_error, quantize_int4, quantize_model
+from specdec.target.quant import (
+    Int4Linear, fuse_int4, int4_error, prepare_quantized, quantize_int4, quantize_model,
+)
 from specdec.target.weights import load_model
 from specdec.testing import tiny_hf_model
 
@@ -65,7 +67,8 @@ def test_quantized_model_is_cached_and_reloads_identically(tmp_path, monkeypatch
     h1 = first.lm_head(first.model.embed_tokens(ids))
     h2 = second.lm_head(second.model.embed_tokens(ids))
     assert torch.equal(h1, h2)
-    assert type(second.model.layers[0].mlp.up_proj) is type(first.model.layers[0].mlp.up_proj)
+    for name in ("up_proj", "gate_up_proj"):
+        assert type(getattr(second.model.layers[0].mlp, name)) is type(getattr(first.model.layers[0].mlp, name))
 
 
 def test_auto_finds_the_grid_when_loading_in_bfloat16(tmp_path, monkeypatch):
@@ -94,3 +97,50 @@ def test_constant_groups_stay_finite():
     x = torch.randn(4, 128)
     out = Int4Linear.from_quantized(q, sz, None)(x)
     assert torch.isfinite(out).all() and _rel(out, x @ w.T) < 1e-2
+
+
+def _int4(out_features: int, in_features: int, bias: bool, seed: int) -> Int4Linear:
+    torch.manual_seed(seed)
+    w = torch.randn(out_features, in_features)
+    q, sz = quantize_int4(w, 32)
+    return Int4Linear.from_quantized(q, sz, torch.randn(out_features) if bias else None)
+
+
+def test_fused_int4_equals_its_parts_bitwise():
+    parts = [_int4(128, 128, True, 0), _int4(64, 128, False, 1), _int4(64, 128, True, 2)]
+    fused = fuse_int4(parts)
+    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def test_int4_parts_off_the_packing_blocks_are_not_fused():
+    assert fuse_int4([_int4(96, 128, False, 0), _int4(32, 128, False, 1)]) is None
+    assert fuse_int4([_int4(64, 128, False, 0), torch.nn.Linear(128, 64)]) is None
+
+
+def test_int4_model_is_fused_at_load_with_unchanged_logits(tmp_path, monkeypatch):
+    """q/k/v and gate/up of an int4 model become one GEMM each; the logits do not move."""
+    from specdec.target.runner import ModelRunner, Window
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    # head_dim 64: q, k and v each fill whole packing blocks
+    tiny_hf_model("qwen2", hidden_size=128, num_attention_heads=2, num_key_value_heads=1).save_pretrained(
+        tmp_path / "m"
+    )
+    fused = load_model(tmp_path / "m", torch.bfloat16, quant="int4")
+    layer = fused.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.q_proj is None
+    assert isinstance(layer.mlp.gate_up_proj, Int4Linear) and layer.mlp.up_proj is None
+
+    from specdec.target import quant
+    monkeypatch.setattr(quant, "prepare_quantized", lambda model: None)
+    separate = load_model(tmp_path / "m", torch.bfloat16, quant="int4")
+    assert separate.model.layers[0].self_attn.qkv_proj is None
+
+    def logits(model):
+        runner = ModelRunner.build(model, 4, None, num_blocks=16)
+        table = runner.new_table()
+        table.ensure_slots(9)
+        return runner.forward([Window(table, list(range(3, 12)), 9)])
+
+    assert torch.equal(logits(fused), logits(separate))
