@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PROPOSERS = ("draft", "hybrid", "ngram", "none")
-QUANT_MODES = ("none", "int4", "auto", "w8a8")
+QUANT_MODES = ("none", "int4", "auto", "w8a8", "int4+w8a8")  # see specdec.target.quant
 KV_DTYPES = ("auto", "fp8")
 
 
@@ -33,8 +33,9 @@ class EngineConfig:
     # CPU quantization; None picks per model. On the CPU in bfloat16 the target takes "w8a8" (int8
     # weights and activations: a forward costs about the same for 1 to ~9 rows, so verifying k+1
     # tokens costs about one token, and it is 1.7x faster than "auto" even for one row; KL 0.009
-    # nats/token from the GGUF weights, see README) and the draft "int4" (fastest for one row; a
-    # draft only proposes, so its rounding cannot change the output distribution); elsewhere "none".
+    # nats/token from the GGUF weights, see README) and the draft "int4+w8a8" (int4, fastest for one
+    # row, plus an int8 copy for windows of 5+ rows: prefill, catch-up, batched drafting; a draft only
+    # proposes, so its rounding cannot change the output distribution); elsewhere "none".
     # "auto" keeps the target's GGUF Q4_K weights exact (int4 where on the grid, else dense).
     target_quant: str | None = None
     draft_quant: str | None = None
@@ -56,7 +57,7 @@ class EngineConfig:
         if self.target_quant is None:
             self.target_quant = "w8a8" if fast_cpu else "none"
         if self.draft_quant is None:
-            self.draft_quant = "int4" if fast_cpu else "none"
+            self.draft_quant = "int4+w8a8" if fast_cpu else "none"
         for name in ("target_quant", "draft_quant"):
             if getattr(self, name) not in QUANT_MODES:
                 raise ValueError(f"{name} must be one of {QUANT_MODES}, got {getattr(self, name)!r}")

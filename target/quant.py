@@ -27,18 +27,31 @@ import warnings
 import torch
 from torch import nn
 
-QUANT_MODES = ("none", "int4", "auto", "w8a8")
+from specdec.config import QUANT_MODES
+
 INT4_GROUP = 32
+# "int4+w8a8": windows of at least this many rows take the int8 copy. A whole 0.5B draft forward
+# (2 cores) took 26 / 50 / 73 / 732 ms for 2 / 5 / 10 / 150 rows in int4 and 42 / 46 / 53 / 317 ms
+# in int8: int8 reads twice the bytes, int4 unpacking is compute-bound beyond ~4 rows.
+INT8_MIN_ROWS = 5
 INT4_PACK_BLOCK = 64  # output channels per block of `_convert_weight_to_int4pack_for_cpu`'s layout
 AUTO_INT4_MAX_ERROR = 0.02  # relative Frobenius error under which int4 is taken as exact enough
 
 
 class Int4Linear(nn.Module):
-    """`y = x @ w.T + b` with w = (q - 8) * scale + zero per group of `group_size` inputs."""
+    """`y = x @ w.T + b` with w = (q - 8) * scale + zero per group of `group_size` inputs.
+
+    With an int8 copy of the weights (`weight_int8 [N, K]`, per-channel `int8_scale [N]`: the
+    `"int4+w8a8"` mode), windows of `INT8_MIN_ROWS` rows or more multiply in int8 instead
+    (`torch._int_mm`, activations per row): the int4 kernel is compute-bound beyond one row (a
+    150-token draft prefill took 727 ms in int4). Rows then round differently from single-row
+    decoding, which is why only the draft uses the mode.
+    """
 
     def __init__(
         self, weight_int4: torch.Tensor, scales_and_zeros: torch.Tensor, bias: torch.Tensor | None,
         in_features: int, group_size: int = INT4_GROUP,
+        weight_int8: torch.Tensor | None = None, int8_scale: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.register_buffer("weight_int4", weight_int4)  # packed by _convert_weight_to_int4pack_for_cpu
@@ -46,15 +59,25 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.to(torch.bfloat16), False)
         self.group_size = group_size
         self.in_features, self.out_features = in_features, scales_and_zeros.shape[1]
+        self.register_buffer("weight_int8", weight_int8)  # [N, K] int8 or None
+        self.register_buffer("int8_scale", int8_scale)  # [N] fp32 or None
 
     @classmethod
-    def from_quantized(cls, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None) -> "Int4Linear":
+    def from_quantized(
+        cls, q: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None, int8_from: torch.Tensor | None = None,
+    ) -> "Int4Linear":
+        """From `quantize_int4`'s output; `int8_from` (the float weight) adds the int8 copy."""
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
         group = q.shape[1] // sz.shape[0]
-        return cls(packed, sz, None if bias is None else bias.detach(), q.shape[1], group)
+        w8 = s8 = None
+        if int8_from is not None:
+            w8, s8 = quantize_int8(int8_from)
+        return cls(packed, sz, None if bias is None else bias.detach(), q.shape[1], group, w8, s8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.bfloat16:  # the model's own layout: no reshapes or casts
+            if self.weight_int8 is not None and x.shape[0] >= INT8_MIN_ROWS:
+                return self._forward_int8(x)
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x, self.weight_int4, self.group_size, self.scales_and_zeros
             )  # [M, N]
@@ -62,6 +85,14 @@ class Int4Linear(nn.Module):
         return self.forward(x.reshape(-1, self.in_features).to(torch.bfloat16)).reshape(
             *x.shape[:-1], self.out_features
         ).to(x.dtype)
+
+    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M, N] bf16
+        x32 = x.float()
+        amax = x32.abs().amax(-1, keepdim=True).clamp_(min=1e-8)  # [M, 1]
+        xq = x32.mul_(127.0 / amax).round_().to(torch.int8)  # [M, K] per-row symmetric
+        y = torch._int_mm(xq, self.weight_int8.t()).float()  # [M, N] exact int32 sums
+        y = y.mul_(amax / 127.0).mul_(self.int8_scale)
+        return (y if self.bias is None else y.add_(self.bias)).to(torch.bfloat16)
 
 
 class Int8Linear(nn.Module):
@@ -82,10 +113,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> "Int8Linear":
-        w = linear.weight.detach().float()
-        scale = (w.abs().amax(1) / 127).clamp(min=1e-12)  # [N]
-        q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-        return cls(q, scale, linear.bias)
+        return cls(*quantize_int8(linear.weight.detach()), linear.bias)
 
     def prepack(self) -> None:
         with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm still takes them
@@ -109,6 +137,13 @@ class Int8Linear(nn.Module):
         )  # [M, N]
         y = y.mul_(amax / 127.0) if self.bias is None else torch.addcmul(self.bias, y, amax / 127.0)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: `(q [N, K] int8, scale [N] fp32)`, w ~ q * scale."""
+    w = weight.float()
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12)  # [N]
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
 
 
 def fuse_int8(parts: list[nn.Module]) -> Int8Linear | None:
@@ -138,11 +173,16 @@ def fuse_int4(parts: list[nn.Module]) -> Int4Linear | None:
         return None
     if len({p.group_size for p in parts}) != 1 or any(p.out_features % INT4_PACK_BLOCK for p in parts):
         return None
+    if len({p.weight_int8 is None for p in parts}) != 1:
+        return None
     biases = [p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=torch.bfloat16) for p in parts]
     has_bias = any(p.bias is not None for p in parts)
+    with_int8 = parts[0].weight_int8 is not None
     return Int4Linear(
         torch.cat([p.weight_int4 for p in parts]), torch.cat([p.scales_and_zeros for p in parts], 1),
         torch.cat(biases) if has_bias else None, parts[0].in_features, parts[0].group_size,
+        torch.cat([p.weight_int8 for p in parts]) if with_int8 else None,
+        torch.cat([p.int8_scale for p in parts]) if with_int8 else None,
     )
 
 
@@ -210,8 +250,8 @@ def _choose(linear: nn.Linear, mode: str) -> nn.Module:
     if w.shape[1] % INT4_GROUP or w.shape[0] % 16:
         return linear
     q, sz = quantize_int4(w, INT4_GROUP)
-    if mode == "int4" or int4_error(w, q, sz) < AUTO_INT4_MAX_ERROR:
-        return Int4Linear.from_quantized(q, sz, b)
+    if mode != "auto" or int4_error(w, q, sz) < AUTO_INT4_MAX_ERROR:
+        return Int4Linear.from_quantized(q, sz, b, int8_from=w if mode == "int4+w8a8" else None)
     return linear
 
 

@@ -70,7 +70,10 @@ def load_quantized(model: LlamaForCausalLM, path: Path) -> LlamaForCausalLM:
             sz = state.pop(f"{name}.scales_and_zeros")
             packed = state.pop(f"{name}.weight_int4")
             in_features = model.get_submodule(name).in_features
-            module = Int4Linear(packed, sz, bias, in_features, in_features // sz.shape[0])
+            module = Int4Linear(
+                packed, sz, bias, in_features, in_features // sz.shape[0],
+                state.pop(f"{name}.weight_int8", None), state.pop(f"{name}.int8_scale", None),
+            )
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, module)
     for name, tensor in state.items():

@@ -54,7 +54,7 @@ def test_bad_mode_is_a_value_error():
         quantize_model(torch.nn.Linear(4, 4), "int3")
 
 
-@pytest.mark.parametrize("mode", ["int4", "auto"])
+@pytest.mark.parametrize("mode", ["int4", "auto", "int4+w8a8"])
 def test_quantized_model_is_cached_and_reloads_identically(tmp_path, monkeypatch, mode):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     hf = tiny_hf_model("qwen2")
@@ -63,7 +63,7 @@ def test_quantized_model_is_cached_and_reloads_identically(tmp_path, monkeypatch
     files = list((tmp_path / "cache" / "quantized").glob("*.safetensors"))
     assert len(files) == 1
     second = load_model(tmp_path / "m", torch.bfloat16, quant=mode)
-    ids = torch.tensor([[3, 4, 5, 6]])
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])  # 8 rows: the int8 copy's path in int4+w8a8
     h1 = first.lm_head(first.model.embed_tokens(ids))
     h2 = second.lm_head(second.model.embed_tokens(ids))
     assert torch.equal(h1, h2)
@@ -99,18 +99,37 @@ def test_constant_groups_stay_finite():
     assert torch.isfinite(out).all() and _rel(out, x @ w.T) < 1e-2
 
 
-def _int4(out_features: int, in_features: int, bias: bool, seed: int) -> Int4Linear:
+def _int4(out_features: int, in_features: int, bias: bool, seed: int, int8: bool = False) -> Int4Linear:
     torch.manual_seed(seed)
     w = torch.randn(out_features, in_features)
     q, sz = quantize_int4(w, 32)
-    return Int4Linear.from_quantized(q, sz, torch.randn(out_features) if bias else None)
+    return Int4Linear.from_quantized(q, sz, torch.randn(out_features) if bias else None, w if int8 else None)
 
 
-def test_fused_int4_equals_its_parts_bitwise():
-    parts = [_int4(128, 128, True, 0), _int4(64, 128, False, 1), _int4(64, 128, True, 2)]
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])
+@pytest.mark.parametrize("int8", [False, True])
+def test_fused_int4_equals_its_parts_bitwise(rows, int8):
+    parts = [_int4(128, 128, True, 0, int8), _int4(64, 128, False, 1, int8), _int4(64, 128, True, 2, int8)]
     fused = fuse_int4(parts)
-    x = torch.randn(5, 128, dtype=torch.bfloat16)
+    x = torch.randn(rows, 128, dtype=torch.bfloat16)
     assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+
+
+def test_int4_with_an_int8_copy_takes_int8_for_long_windows_only():
+    """One row (decoding) stays on the int4 kernel; 5+ rows use the int8 copy, close to float."""
+    from specdec.target.quant import INT8_MIN_ROWS
+
+    torch.manual_seed(0)
+    w, bias = torch.randn(192, 256), torch.randn(192)
+    q, sz = quantize_int4(w, 32)
+    plain = Int4Linear.from_quantized(q, sz, bias)
+    both = Int4Linear.from_quantized(q, sz, bias, int8_from=w)
+    x = torch.randn(INT8_MIN_ROWS, 256, dtype=torch.bfloat16)
+    assert torch.equal(both(x[:1]), plain(x[:1]))
+    assert not torch.equal(both(x), plain(x))
+    ref = x.float() @ w.T + bias
+    rel = ((both(x).float() - ref).norm() / ref.norm()).item()
+    assert rel < 0.02
 
 
 def test_int4_parts_off_the_packing_blocks_are_not_fused():
