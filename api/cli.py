@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fixed-k", action="store_true",
                    help="always draft k tokens instead of choosing k per step from measured costs "
                         "and acceptance (makes seeded sampling reproducible token for token)")
+    g.add_argument("--draft-stop-confidence", type=float, default=0.5, metavar="P",
+                   help="with adaptive k, a sequence stops drafting once the draft's probability "
+                        "of its drafts so far falls below P (0: never)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -50,6 +53,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         proposer="none" if args.no_speculation else args.proposer,
         num_speculative_tokens=args.num_speculative_tokens,
         adaptive_k=not args.fixed_k,
+        draft_stop_confidence=args.draft_stop_confidence,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,

@@ -53,13 +53,14 @@ class HybridProposer:
         limits = lookup_limits if lookup_limits is not None else num_draft
         looked_up = [self.ngram.lookup(s.token_ids, n) for s, n in zip(seqs, limits)]
         model_k = [0 if found else k for found, k in zip(looked_up, num_draft)]
-        counts = [len(found) if found else mk for found, mk in zip(looked_up, model_k)]
+        out = self.model.propose(seqs, model_k, sampling) if any(model_k) else None
+        drafted = out.num_draft if out is not None else [0] * len(seqs)  # may stop short of model_k
+        counts = [len(found) if found else n for found, n in zip(looked_up, drafted)]
         k = max(counts, default=0)
         device = self.model.runner.device
-        out = self.model.propose(seqs, model_k, sampling) if any(model_k) else None
         token_ids = torch.full((len(seqs), k), -1, dtype=torch.long, device=device)  # [B, k]
         if out is not None:
-            token_ids[:, : out.token_ids.shape[1]] = out.token_ids
+            token_ids[:, : out.token_ids.shape[1]] = out.token_ids[:, :k]
         for b, found in enumerate(looked_up):
             if found:
                 token_ids[b, : len(found)] = torch.tensor(found, dtype=torch.long, device=device)
@@ -67,7 +68,7 @@ class HybridProposer:
         if out is None or out.probs is None:
             return DraftOutput(token_ids, None, counts, from_lookup)
         probs = torch.zeros(len(seqs), k, out.probs.shape[-1], device=device)  # [B, k, V]
-        probs[:, : out.probs.shape[1]] = out.probs
+        probs[:, : out.probs.shape[1]] = out.probs[:, :k]
         for b, found in enumerate(looked_up):
             if found:  # q one-hot at the looked-up tokens
                 probs[b, : len(found)] = 0

@@ -21,13 +21,20 @@ class DraftModelProposer:
     step's catch-up does that if it was accepted.
 
     Example: tokens [a b c], draft cache holds [a b], k=3 -> feeds [c] -> d1; [d1] -> d2; [d2] -> d3.
+
+    Early stop (`stop_below` > 0): a sequence stops drafting once the draft's own probability of
+    its drafts so far, q(d_1) * ... * q(d_j), falls below `stop_below`; d_j is still proposed
+    (verifying it costs a row, not a forward), but no forward is spent on d_{j+1}, which would
+    most likely be thrown away. The stop depends only on the draft's proposals, so rejection
+    sampling stays exact. `num_draft` is then a cap, and `DraftOutput.num_draft` what was drafted.
     """
 
-    def __init__(self, runner: ModelRunner, timed: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, timed: bool = False, stop_below: float = 0.0) -> None:
         self.runner = runner
         # With `timed`, every draft forward appends (rows fed, seconds) here for the adaptive-k
         # policy, which reads and clears it (on CUDA this costs a sync per forward).
         self.timed = timed
+        self.stop_below = stop_below
         self.forward_seconds: list[tuple[int, float]] = []
 
     @property
@@ -47,6 +54,8 @@ class DraftModelProposer:
         token_ids = torch.full((b, k), -1, dtype=torch.long, device=device)  # [B, k]
         probs: torch.Tensor | None = None
         rows = [i for i in range(b) if num_draft[i] > 0]
+        drafted = [0] * b
+        confidence = [1.0] * b  # q(d_1) * ... * q(d_j) per sequence
         windows = [self._catch_up(seqs[i]) for i in rows]
         for j in range(k):
             logits = self._forward(windows)  # [A, V]
@@ -60,12 +69,19 @@ class DraftModelProposer:
             idx = torch.tensor(rows, dtype=torch.long, device=device)
             token_ids[idx, j] = step_tokens
             probs[idx, j] = step_probs
+            for i in rows:
+                drafted[i] = j + 1
             keep = [a for a, i in enumerate(rows) if num_draft[i] > j + 1]
+            if self.stop_below > 0 and keep:
+                q = step_probs.gather(1, step_tokens[:, None]).squeeze(1).tolist()  # [A] q(d_j)
+                for a, i in enumerate(rows):
+                    confidence[i] *= q[a]
+                keep = [a for a in keep if confidence[rows[a]] >= self.stop_below]
             rows = [rows[a] for a in keep]
             if not rows:
                 break
             windows = [Window(seqs[i].draft_table, step_tokens[a : a + 1]) for a, i in zip(keep, rows)]
-        return DraftOutput(token_ids, probs, list(num_draft))
+        return DraftOutput(token_ids, probs, drafted)
 
     def _forward(self, windows: list[Window]) -> torch.Tensor:
         if not self.timed:

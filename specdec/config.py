@@ -22,6 +22,9 @@ class EngineConfig:
     proposer: str = "hybrid"
     num_speculative_tokens: int = 8  # the most drafted per step (with adaptive_k, a cap)
     adaptive_k: bool = True  # choose each step's k from measured costs and acceptance
+    # With adaptive_k, a sequence stops drafting once the draft's probability of its drafts so far
+    # falls below this (0: never); see DraftModelProposer.
+    draft_stop_confidence: float = 0.5
     dtype: str = "bfloat16"
     device: str = "auto"
     block_size: int = 16
@@ -49,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"proposer {self.proposer!r} needs a draft model")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
+        if not 0.0 <= self.draft_stop_confidence < 1.0:
+            raise ValueError(f"draft_stop_confidence must be in [0, 1), got {self.draft_stop_confidence}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_dtype not in KV_DTYPES:

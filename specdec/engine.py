@@ -56,7 +56,10 @@ class Engine:
         self.target, draft_runner = build_runners(config, target, draft)
         self.proposer: Proposer | None = None
         if config.speculative and config.uses_draft_model:
-            model = DraftModelProposer(draft_runner, timed=config.adaptive_k)
+            model = DraftModelProposer(
+                draft_runner, timed=config.adaptive_k,
+                stop_below=config.draft_stop_confidence if config.adaptive_k else 0.0,
+            )
             self.proposer = model if config.proposer == "draft" else HybridProposer(model)
         elif config.speculative and config.proposer == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max, self.target.device)

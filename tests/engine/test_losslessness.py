@@ -86,3 +86,43 @@ def test_hybrid_proposer_output_distribution_is_the_targets():
         PROMPT = saved
     assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
     assert 0.02 < sum(lookups) / len(lookups) < 0.98  # both kinds of rows were verified
+
+
+def test_early_stopped_drafts_keep_the_output_distribution_the_targets():
+    """Drafting that stops once the draft's confidence drops stays lossless.
+
+    The speculative step (the second token on) may draft 2 tokens (max_tokens caps it) but stops
+    after a first draft whose probability falls below 0.3, so the third token comes from a stopped
+    draft's bonus or recovered token about as often as from a second draft. The marginal of tokens
+    2 and 3 must be exact.
+    """
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    hf_target = tiny_hf_model("llama", seed=3, vocab_size=V)
+    hf_draft = tiny_hf_model("llama", seed=4, vocab_size=V, num_hidden_layers=1)
+    engine = make_engine(from_hf(hf_target), from_hf(hf_draft), num_speculative_tokens=3,
+                         max_num_seqs=N, num_blocks=3 * N, block_size=4)
+    engine.proposer.stop_below = 0.3
+    drafted = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.extend(out.num_draft))[0]
+    torch.manual_seed(0)
+    outs = engine.generate([PROMPT] * N, params)
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+
+    def dist(ids):
+        with torch.no_grad():
+            return torch.softmax(hf_target(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+    p1 = dist(PROMPT)
+    exact = torch.zeros(V, V)
+    for x1 in range(V):
+        p2 = dist(PROMPT + [x1])
+        for x2 in range(V):
+            exact[x2] += p1[x1] * p2[x2] * dist(PROMPT + [x1, x2])
+    tv = 0.5 * (counts / N - exact).abs().sum().item()
+    assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
+    drafted = [n for n in drafted if n]
+    stopped = sum(n == 1 for n in drafted) / len(drafted)
+    assert 0.05 < stopped < 0.95, stopped  # drafts both stopped early and ran to the cap
