@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -243,17 +242,8 @@ def _causal_window_mask(
     """Key ``j`` visible to query ``i`` iff ``j <= seq_len - query_len + i``.
 
     Row ``r`` is query ``r % max_q`` (rows repeat ``group`` times for folded GQA heads). Padded
-    query rows (``i >= query_len``) still see key 0, so no row is fully masked. Every layer of a
-    forward asks for the same mask, so the last few are kept (read-only) and reused.
+    query rows (``i >= query_len``) still see key 0, so no row is fully masked.
     """
-    return _cached_mask(tuple(seq_lens), tuple(query_lens), max_q, max_kv, device, group)
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_mask(
-    seq_lens: tuple[int, ...], query_lens: tuple[int, ...], max_q: int, max_kv: int,
-    device: torch.device, group: int,
-) -> torch.Tensor:
     offsets = torch.tensor([s - q for s, q in zip(seq_lens, query_lens)], device=device)  # [B]
     query_idx = torch.arange(group * max_q, device=device) % max_q  # [G * max_q]
     last_visible = offsets[:, None] + query_idx  # [B, G * max_q]
