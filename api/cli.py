@@ -17,7 +17,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default="default-draft",
                    help="draft model, same forms (default: Qwen2.5-Coder-0.5B-Instruct)")
     g.add_argument("--proposer", choices=["draft", "hybrid", "ngram"], default="hybrid",
-                   help="draft model; hybrid: prompt lookup where a 3-gram repeats, else the draft "
+                   help="draft model; hybrid: prompt lookup where a 2-gram repeats, else the draft "
                         "model; ngram: prompt lookup only (no model)")
     g.add_argument("--no-speculation", action="store_true", help="plain target-only decoding")
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=8,

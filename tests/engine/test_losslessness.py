@@ -62,7 +62,7 @@ def test_engine_output_distribution_is_the_targets(params):
 def test_hybrid_proposer_output_distribution_is_the_targets():
     """Prompt-lookup rows (q one-hot) and draft-model rows verified together stay lossless.
 
-    The prompt ends with a repeated 3-gram, so the speculative step (the second token) uses prompt
+    The prompt ends with a repeated 3-gram (and bigram), so the speculative step (the second token) uses prompt
     lookup whenever the first token continues the repeat, and the draft model otherwise.
     """
     global PROMPT
