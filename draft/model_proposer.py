@@ -23,7 +23,8 @@ class DraftModelProposer:
     Example: tokens [a b c], draft cache holds [a b], k=3 -> feeds [c] -> d1; [d1] -> d2; [d2] -> d3.
 
     Early stop (`stop_below` > 0): a sequence stops drafting once the draft's own probability of
-    its drafts so far, q(d_1) * ... * q(d_j), falls below `stop_below`; d_j is still proposed
+    its drafts so far, q(d_1) * ... * q(d_j), falls below `stop_below` (greedy rows: the draft's
+    softmax probability of each argmax); d_j is still proposed
     (verifying it costs a row, not a forward), but no forward is spent on d_{j+1}, which would
     most likely be thrown away. The stop depends only on the draft's proposals, so rejection
     sampling stays exact. `num_draft` is then a cap, and `DraftOutput.num_draft` what was drafted.
@@ -73,7 +74,7 @@ class DraftModelProposer:
                 drafted[i] = j + 1
             keep = [a for a, i in enumerate(rows) if num_draft[i] > j + 1]
             if self.stop_below > 0 and keep:
-                q = step_probs.gather(1, step_tokens[:, None]).squeeze(1).tolist()  # [A] q(d_j)
+                q = self._confidence(logits, step_probs, step_tokens, step_sampling).tolist()  # [A]
                 for a, i in enumerate(rows):
                     confidence[i] *= q[a]
                 keep = [a for a in keep if confidence[rows[a]] >= self.stop_below]
@@ -82,6 +83,22 @@ class DraftModelProposer:
                 break
             windows = [Window(seqs[i].draft_table, step_tokens[a : a + 1]) for a, i in zip(keep, rows)]
         return DraftOutput(token_ids, probs, drafted)
+
+    @staticmethod
+    def _confidence(
+        logits: torch.Tensor,  # [A, V]
+        probs: torch.Tensor,  # [A, V] warped: one-hot on greedy rows
+        tokens: torch.Tensor,  # [A]
+        sampling: SamplingTensors,
+    ) -> torch.Tensor:  # [A] the draft's probability of each drafted token
+        """q(d) of the distribution sampled from; for greedy rows (q one-hot) the draft's softmax
+        probability of its argmax, so that greedy drafts also stop when the draft is unsure."""
+        q = probs.gather(1, tokens[:, None]).squeeze(1)
+        greedy = sampling.temperature.to(q.device) <= 0
+        if not bool(greedy.any()):
+            return q
+        raw = (logits.gather(1, tokens[:, None]).squeeze(1).float() - torch.logsumexp(logits.float(), -1)).exp()
+        return torch.where(greedy, raw, q)
 
     def _forward(self, windows: list[Window]) -> torch.Tensor:
         if not self.timed:

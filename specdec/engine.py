@@ -191,7 +191,13 @@ class Engine:
             min(MAX_PRICED_LAG, s.num_tokens - s.draft_table.num_computed) if s.draft_table else 1
             for s in seqs
         ]
-        return self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags), caps
+        ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags)
+        if self.config.uses_draft_model and self.config.draft_stop_confidence > 0:
+            # The policy decides whether drafting pays; the draft's confidence decides how far
+            # (early stop), which beats the policy's length from an average acceptance: on 10
+            # HumanEval prompts 31.7 vs 29.8 modeled tok/s (cap 8, stop 0.5).
+            ks = [cap if k else 0 for k, cap in zip(ks, caps)]
+        return ks, caps
 
     def _propose(
         self, seqs: list[Sequence], ks: list[int], caps: list[int], sampling: SamplingTensors

@@ -106,3 +106,20 @@ def test_adaptive_engine_stops_drafting_when_the_draft_never_pays(pair):
     engine.policy.draft_cost.observe = lambda rows, seconds: None  # keep the price
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     assert engine.stats.num_draft_tokens == 0
+
+
+@pytest.mark.parametrize("stop_below, stops", [(0.999, True), (1e-12, False)])
+def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops):
+    """Greedy q is one-hot, so the stop reads the draft's softmax: an unsure tiny draft stops after
+    one token at a high bar and drafts to the cap at a negligible one; output stays exact."""
+    target, draft = pair
+    reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
+    engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True,
+                         draft_stop_confidence=stop_below)
+    engine.policy.choose_k = lambda rates, caps, lags=None: caps  # always draft
+    drafted = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.extend(out.num_draft))[0]
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    drafted = [n for n in drafted if n]
+    assert drafted and (max(drafted) == 1) == stops
