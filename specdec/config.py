@@ -23,7 +23,8 @@ class EngineConfig:
     num_speculative_tokens: int = 8  # the most drafted per step (with adaptive_k, a cap)
     adaptive_k: bool = True  # choose each step's k from measured costs and acceptance
     # With adaptive_k, a sequence stops drafting once the draft's probability of its drafts so far
-    # falls below this (0: never); see DraftModelProposer.
+    # falls below this (0: never; see DraftModelProposer); the policy then only decides whether
+    # to draft, and the cap (num_speculative_tokens) bounds how far.
     draft_stop_confidence: float = 0.5
     dtype: str = "bfloat16"
     device: str = "auto"
