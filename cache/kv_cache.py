@@ -59,7 +59,8 @@ class PagedKVCache:
         self.v_scale = float(kv_scale)
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [L, 2, N, S, Hkv, D]
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # each layer's (k, v) views, made once: every forward asks for every layer's
+        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
 
     @classmethod
     def from_memory_budget(
@@ -88,8 +89,6 @@ class PagedKVCache:
         """Views ``(k_cache, v_cache)``, each ``[N, S, Hkv, D]``, of layer ``i``."""
         if not 0 <= i < self.spec.num_layers:
             raise ValueError(f"layer {i} out of range (0..{self.spec.num_layers - 1})")
-        if self._layers is None:  # views made once: every forward asks for every layer's
-            self._layers = [(self.kv[j, 0], self.kv[j, 1]) for j in range(self.spec.num_layers)]
         return self._layers[i]
 
     def nbytes(self) -> int:

@@ -43,8 +43,8 @@ class Int4Linear(nn.Module):
 
     With an int8 copy of the weights (`weight_int8 [N, K]`, per-channel `int8_scale [N]`: the
     `"int4+w8a8"` mode), windows of `INT8_MIN_ROWS` rows or more multiply in int8 instead
-    (`torch._int_mm`, activations per row): the int4 kernel is compute-bound beyond one row (a
-    150-token draft prefill took 727 ms in int4). Rows then round differently from single-row
+    (`torch._int_mm`, activations per row): the int4 kernel is compute-bound beyond a few rows (a
+    150-token draft prefill took 732 ms in int4, 317 ms in int8). Rows then round differently from single-row
     decoding, which is why only the draft uses the mode.
     """
 
@@ -154,12 +154,17 @@ def fuse_int8(parts: list[nn.Module]) -> Int8Linear | None:
     """
     if not all(isinstance(p, Int8Linear) for p in parts):
         return None
-    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
-    has_bias = any(p.bias is not None for p in parts)
     return Int8Linear(
         torch.cat([p.weight_int8 for p in parts]), torch.cat([p.weight_scale for p in parts]),
-        torch.cat(biases) if has_bias else None,
+        _cat_biases(parts, torch.float32),
     )
+
+
+def _cat_biases(parts: list[nn.Module], dtype: torch.dtype) -> torch.Tensor | None:
+    """The fused module's bias: the parts' biases end to end (zeros for a part without), or None."""
+    if all(p.bias is None for p in parts):
+        return None
+    return torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=dtype) for p in parts])
 
 
 def fuse_int4(parts: list[nn.Module]) -> Int4Linear | None:
@@ -175,20 +180,18 @@ def fuse_int4(parts: list[nn.Module]) -> Int4Linear | None:
         return None
     if len({p.weight_int8 is None for p in parts}) != 1:
         return None
-    biases = [p.bias if p.bias is not None else torch.zeros(p.out_features, dtype=torch.bfloat16) for p in parts]
-    has_bias = any(p.bias is not None for p in parts)
     with_int8 = parts[0].weight_int8 is not None
     return Int4Linear(
         torch.cat([p.weight_int4 for p in parts]), torch.cat([p.scales_and_zeros for p in parts], 1),
-        torch.cat(biases) if has_bias else None, parts[0].in_features, parts[0].group_size,
+        _cat_biases(parts, torch.bfloat16), parts[0].in_features, parts[0].group_size,
         torch.cat([p.weight_int8 for p in parts]) if with_int8 else None,
         torch.cat([p.int8_scale for p in parts]) if with_int8 else None,
     )
 
 
 def prepare_quantized(model: nn.Module) -> None:
-    """Fuse q/k/v and gate/up where all parts are `Int8Linear` (or all `Int4Linear` of one group
-    size): fewer, larger GEMMs, ~85 fewer calls per forward for a 28-layer model. Then pack every
+    """Fuse q/k/v and gate/up where `fuse_int8` or `fuse_int4` can: fewer, larger GEMMs, ~85
+    fewer calls per forward for a 28-layer model. Then pack every
     `Int8Linear` for fbgemm now (two threads: packing is ~60 ms per 14M weights)."""
     from concurrent.futures import ThreadPoolExecutor
 
