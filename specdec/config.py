@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PROPOSERS = ("draft", "hybrid", "ngram", "none")
-QUANT_MODES = ("none", "int4", "auto", "w8a8", "int4+w8a8")  # see specdec.target.quant
+QUANT_MODES = ("none", "int4", "auto", "w8a8", "int4+w8a8", "w4a8", "w4a8-auto")  # see specdec.target.quant
 KV_DTYPES = ("auto", "fp8")
 
 
@@ -60,10 +60,18 @@ class EngineConfig:
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         fast_cpu = self.dtype == "bfloat16" and self.resolved_device() == "cpu"
+        if fast_cpu and (self.target_quant is None or self.draft_quant is None):
+            from specdec.target.qgemm import unavailable_reason
+
+            kernel = unavailable_reason() is None
+            if self.target_quant is None:
+                self.target_quant = "w4a8-auto" if kernel else "w8a8"
+            if self.draft_quant is None:
+                self.draft_quant = "w4a8" if kernel else "int4+w8a8"
         if self.target_quant is None:
-            self.target_quant = "w8a8" if fast_cpu else "none"
+            self.target_quant = "none"
         if self.draft_quant is None:
-            self.draft_quant = "int4+w8a8" if fast_cpu else "none"
+            self.draft_quant = "none"
         for name in ("target_quant", "draft_quant"):
             if getattr(self, name) not in QUANT_MODES:
                 raise ValueError(f"{name} must be one of {QUANT_MODES}, got {getattr(self, name)!r}")

@@ -195,11 +195,13 @@ def prepare_quantized(model: nn.Module) -> None:
     `Int8Linear` for fbgemm now (two threads: packing is ~60 ms per 14M weights)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from specdec.target.qlinear import fuse_qlinear
+
     for module in model.modules():
         fuse = getattr(module, "fuse_projections", None)
         if fuse is not None:
-            fuse(fuse_int8)
-            fuse(fuse_int4)
+            for fuse_fn in (fuse_int8, fuse_int4, fuse_qlinear):
+                fuse(fuse_fn)
     modules = [m for m in model.modules() if isinstance(m, Int8Linear) and m._packed is None]
     with ThreadPoolExecutor(max_workers=max(1, min(2, torch.get_num_threads()))) as pool:
         list(pool.map(Int8Linear.prepack, modules))
@@ -247,9 +249,23 @@ def int4_error(weight: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> float
     return ((w - weight.float()).norm() / weight.float().norm().clamp(min=1e-12)).item()
 
 
+def _kind(module: nn.Module) -> str:
+    from specdec.target.qlinear import QLinear
+
+    kinds = {Int4Linear: "int4", Int8Linear: "int8", QLinear: "qlinear"}
+    return kinds.get(type(module), "dense")
+
+
 def _choose(linear: nn.Linear, mode: str) -> nn.Module:
-    """The int4 version of a linear, or the linear itself where int4 does not fit."""
+    """The quantized version of a linear for `mode` ("int4", "auto", "int4+w8a8", "w4a8"), or the
+    linear itself where the format does not fit its shape (or, for "auto", its values)."""
     w, b = linear.weight.detach(), linear.bias
+    if mode.startswith("w4a8"):
+        from specdec.target.qlinear import GROUP, TILE, QLinear
+
+        if w.shape[0] % TILE or w.shape[1] % GROUP:
+            return linear
+        return QLinear.from_weight(w, b, AUTO_INT4_MAX_ERROR if mode == "w4a8-auto" else float("inf"))
     if w.shape[1] % INT4_GROUP or w.shape[0] % 16:
         return linear
     q, sz = quantize_int4(w, INT4_GROUP)
@@ -268,11 +284,15 @@ def quantize_model(
     """
     if mode not in QUANT_MODES:
         raise ValueError(f"quantization must be one of {QUANT_MODES}, got {mode!r}")
-    counts = {"int4": 0, "int8": 0, "dense": 0}
+    counts = {"int4": 0, "int8": 0, "qlinear": 0, "dense": 0}
     if mode == "none":
         return counts
     if next(model.parameters()).device.type != "cpu":
-        raise ValueError("the weight-only int4 kernel is CPU only; use quantization 'none' on GPU")
+        raise ValueError("the quantized kernels are CPU only; use quantization 'none' on GPU")
+    if mode.startswith("w4a8"):
+        from specdec.target.qgemm import require_qgemm
+
+        require_qgemm()  # fail before quantizing, with the reason
     if getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.model.embed_tokens.weight:
         model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
         model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone(), False)
@@ -286,7 +306,7 @@ def quantize_model(
     for name, linear in tqdm(targets, desc=f"quantizing to {mode} (once; cached)", unit="linear",
                              leave=False, disable=not progress):
         new = Int8Linear.from_float(linear) if mode == "w8a8" else _choose(linear, mode)
-        counts["int4" if isinstance(new, Int4Linear) else "int8" if isinstance(new, Int8Linear) else "dense"] += 1
+        counts[_kind(new)] += 1
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
     return counts

@@ -18,7 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specdec.target.model import LlamaForCausalLM
-from specdec.target.quant import Int4Linear, Int8Linear
+from specdec.target.qlinear import QLinear
+from specdec.target.quant import Int4Linear, Int8Linear, _kind
 
 FORMAT_VERSION = "2"  # bump when quantization changes, so stale caches are not reused
 
@@ -41,8 +42,7 @@ def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
 def save_quantized(model: LlamaForCausalLM, path: Path) -> None:
     """Write the model's state dict and quantization manifest atomically."""
     manifest = {
-        name: "int4" if isinstance(m, Int4Linear) else "int8"
-        for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear))
+        name: _kind(m) for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, QLinear))
     }
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +66,11 @@ def load_quantized(model: LlamaForCausalLM, path: Path) -> LlamaForCausalLM:
         bias = state.pop(f"{name}.bias", None)
         if kind == "int8":
             module = Int8Linear(state.pop(f"{name}.weight_int8"), state.pop(f"{name}.weight_scale"), bias)
+        elif kind == "qlinear":
+            module = QLinear(
+                state.pop(f"{name}.tiles"), state.pop(f"{name}.tile_offsets"), state.pop(f"{name}.tile_bits"),
+                model.get_submodule(name).in_features, bias,
+            )
         else:
             sz = state.pop(f"{name}.scales_and_zeros")
             packed = state.pop(f"{name}.weight_int4")

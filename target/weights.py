@@ -31,7 +31,7 @@ def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     quant: str = "none",
 ) -> LlamaForCausalLM:
-    """Build the model from a local HF folder; `quant` int4/auto/w8a8 quantizes its linears (CPU).
+    """Build the model from a local HF folder; `quant` (see `quant.QUANT_MODES`) quantizes its linears (CPU).
 
     A quantized model is cached after the first load (see `quant_cache`), so later loads read the
     quantized bytes directly.
@@ -76,10 +76,11 @@ def _calibration_ids(model_dir: Path) -> list[int]:
 
 def _cast_dense(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast every parameter outside the quantized linears (they keep their scales and bias)."""
+    from specdec.target.qlinear import QLinear
     from specdec.target.quant import Int4Linear, Int8Linear
 
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8Linear)):
+        if isinstance(module, (Int4Linear, Int8Linear, QLinear)):
             continue
         for name, param in module.named_parameters(recurse=False):
             setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))

@@ -46,7 +46,7 @@ def test_auto_picks_int4_for_grid_and_leaves_the_rest_dense():
     model.parameters = lambda: iter([torch.zeros(1)])  # CPU check only
     counts = quantize_model(model, "auto")
     assert isinstance(model[0], Int4Linear) and isinstance(model[1], torch.nn.Linear)
-    assert counts == {"int4": 1, "int8": 0, "dense": 1}
+    assert counts == {"int4": 1, "int8": 0, "qlinear": 0, "dense": 1}
 
 
 def test_bad_mode_is_a_value_error():

@@ -1,0 +1,163 @@
+"""`QLinear`: a linear layer on the group-quantized CPU kernel (`qgemm.c`): quantization `"w4a8"`.
+
+Weights: per group of 32 inputs, int4 where the weights sit on a 16-level grid (GGUF Q4_K: exact)
+and int8 elsewhere (Q6_K tensors, the LM head): 5 and 9 bits per weight with their bf16 scales.
+Activations: int8 per row and group of 32, quantized inside the kernel. One kernel call per linear
+(activation quantization, GEMM, bias and the output cast included), its cost flat from 1 to ~4
+rows, results bitwise independent of the other rows in the batch.
+
+Output channels come in tiles of 16, each int4 or int8 on its own, so q/k/v and gate/up fuse by
+concatenating tiles whatever format each part took.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.target.qgemm import require_qgemm
+
+GROUP = 32  # inputs per weight and activation group (qgemm.c GROUP)
+TILE = 16  # output channels per tile (qgemm.c TILE)
+
+
+class QLinear(nn.Module):
+    """`y = x @ w.T + b` on `qgemm`; see the module docstring for the formats."""
+
+    def __init__(
+        self, tiles: torch.Tensor, tile_offsets: torch.Tensor, tile_bits: torch.Tensor,
+        in_features: int, bias: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("tiles", tiles)  # [bytes] uint8, the tiles end to end
+        self.register_buffer("tile_offsets", tile_offsets)  # [N/16] int64 byte offsets
+        self.register_buffer("tile_bits", tile_bits)  # [N/16] uint8: 4 or 8
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)  # [N]
+        self.in_features, self.out_features = in_features, TILE * tile_bits.numel()
+        self._lib = require_qgemm()
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, int4_max_error: float) -> "QLinear":
+        """Quantize `weight [N, K]`: int4 (asymmetric, bf16 step and zero) where its relative error
+        stays under `int4_max_error`, else int8 (symmetric, bf16 step). Needs N % 16 == K % 32 == 0."""
+        from specdec.target.quant import int4_error, quantize_int4
+
+        n, k = weight.shape
+        if n % TILE or k % GROUP:
+            raise ValueError(f"QLinear needs out_features % {TILE} == 0 and in_features % {GROUP} == 0, got {n}x{k}")
+        q4, sz = quantize_int4(weight, GROUP)
+        if int4_error(weight, q4, sz) < int4_max_error:
+            step, zero = sz.transpose(0, 1).unbind(-1)  # [N, G] bf16 each
+            tiles = pack_int4(q4, step, zero)
+            bits = 4
+        else:
+            q8, step = quantize_int8_groups(weight)
+            tiles = pack_int8(q8, step)
+            bits = 8
+        t = n // TILE
+        size = tiles.numel() // t
+        return cls(tiles, torch.arange(t, dtype=torch.int64) * size, torch.full((t,), bits, dtype=torch.uint8), k, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        if x2.dtype not in (torch.bfloat16, torch.float32):
+            x2 = x2.float()
+        x2 = x2.contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)  # [M, N]
+        if x2.shape[0]:
+            rc = self._lib.qgemm(
+                x2.data_ptr(), x2.dtype == torch.bfloat16, x2.shape[0], self.in_features,
+                self.tiles.data_ptr(), self.tile_offsets.data_ptr(), self.tile_bits.data_ptr(),
+                self.out_features, None if self.bias is None else self.bias.data_ptr(),
+                y.data_ptr(), y.dtype == torch.bfloat16, torch.get_num_threads(),
+            )
+            if rc != 0:
+                raise MemoryError("qgemm could not allocate its activation buffers")
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        int4 = int((self.tile_bits == 4).sum())
+        return f"in={self.in_features}, out={self.out_features}, int4 tiles={int4}/{self.tile_bits.numel()}"
+
+
+def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per group of 32: `(q [N, K] int32 in -127..127, step [N, K/32] bf16)`."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // GROUP, GROUP)
+    step = (w.abs().amax(-1) / 127).clamp(min=1e-30).to(torch.bfloat16)  # [N, G]
+    q = (w / step.float()[..., None]).round().clamp(-127, 127).to(torch.int32)
+    return q.view(n, k), step
+
+
+def pack_int4(q: torch.Tensor, step: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """`q [N, K]` in 0..15, `step, zero [N, K/32]` bf16 -> tiles `[N/16 * K/32 * 320]` uint8."""
+    n, k = q.shape
+    t, g = n // TILE, k // GROUP
+    # k = 32 g + 8 b + 4 h + i; byte (b, 4 n + i) holds h=0 in its low nibble, h=1 in its high one
+    q6 = q.to(torch.uint8).view(t, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)  # [t, g, b, n, i, h]
+    weights = (q6[..., 0] | (q6[..., 1] << 4)).reshape(t, g, 256)
+    return torch.cat([weights, _tile_scales(step, t, g), _tile_scales(zero, t, g)], -1).reshape(-1)
+
+
+def pack_int8(q: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """`q [N, K]` in -127..127, `step [N, K/32]` bf16 -> tiles `[N/16 * K/32 * 544]` uint8."""
+    n, k = q.shape
+    t, g = n // TILE, k // GROUP
+    q5 = (q + 128).to(torch.uint8).view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4)  # [t, g, b, n, i]
+    return torch.cat([q5.reshape(t, g, 512), _tile_scales(step, t, g)], -1).reshape(-1)
+
+
+def _tile_scales(s: torch.Tensor, t: int, g: int) -> torch.Tensor:  # [N, G] bf16 -> [t, g, 32] bytes
+    return s.to(torch.bfloat16).contiguous().view(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8).view(t, g, 32)
+
+
+def fuse_qlinear(parts: list[nn.Module]) -> QLinear | None:
+    """One `QLinear` whose output is the parts' outputs end to end (same input), or None unless all
+    parts are `QLinear` of one input size. Exact: tiles are independent."""
+    if not all(isinstance(p, QLinear) for p in parts) or len({p.in_features for p in parts}) != 1:
+        return None
+    from specdec.target.quant import _cat_biases
+
+    offsets, start = [], 0
+    for p in parts:
+        offsets.append(p.tile_offsets + start)
+        start += p.tiles.numel()
+    return QLinear(
+        torch.cat([p.tiles for p in parts]), torch.cat(offsets), torch.cat([p.tile_bits for p in parts]),
+        parts[0].in_features, _cat_biases(parts, torch.float32),
+    )
+
+
+def dequantize(module: QLinear) -> torch.Tensor:
+    """The weight `[N, K]` fp32 that `module` multiplies by (for tests and error reports)."""
+    k, g = module.in_features, module.in_features // GROUP
+    rows = []
+    for off, bits in zip(module.tile_offsets.tolist(), module.tile_bits.tolist()):
+        size = g * (320 if bits == 4 else 544)
+        tile = module.tiles[off : off + size].view(g, -1)
+        if bits == 4:
+            b = tile[:, :256].view(g, 4, TILE, 4)  # [g, b, n, i]
+            q = torch.stack([b & 15, b >> 4], -2).permute(2, 0, 1, 3, 4).reshape(TILE, k).float()  # [n, k]
+            step, zero = (_untile(tile[:, 256 + 32 * j : 288 + 32 * j]) for j in range(2))
+            w = (q.view(TILE, g, GROUP) - 8) * step[..., None] + zero[..., None]
+        else:
+            q = tile[:, :512].view(g, 8, TILE, 4).permute(2, 0, 1, 3).reshape(TILE, k).float() - 128
+            w = q.view(TILE, g, GROUP) * _untile(tile[:, 512:544])[..., None]
+        rows.append(w.reshape(TILE, k))
+    return torch.cat(rows)
+
+
+def _untile(b: torch.Tensor) -> torch.Tensor:  # [g, 32] bytes -> [16, g] fp32
+    return b.contiguous().view(torch.bfloat16).float().t()
+
+
+def reference_qgemm(x: torch.Tensor, module: QLinear) -> torch.Tensor:
+    """What the kernel computes, in torch: x quantized per row and group of 32, times the weights
+    `dequantize` gives, in fp32 (the kernel matches it up to fp32 rounding order)."""
+    m, k = x.shape
+    xg = x.float().view(m, k // GROUP, GROUP)
+    amax = xg.abs().amax(-1, keepdim=True)
+    xq = torch.where(amax > 0, (xg * (127.0 / amax)).round().clamp(-127, 127), torch.zeros_like(xg))
+    xdq = (xq * (amax / 127.0)).view(m, k)
+    y = xdq @ dequantize(module).t()
+    return y if module.bias is None else y + module.bias
