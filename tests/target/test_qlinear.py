@@ -1,0 +1,138 @@
+"""The w4a8 kernel (`qgemm.c` via `QLinear`): what it computes, batch invariance, fusion, caching."""
+
+import pytest
+import torch
+
+from specdec.config import EngineConfig
+from specdec.engine import Engine
+from specdec.sampling_params import SamplingParams
+from specdec.target import qgemm
+from specdec.target.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
+from specdec.target.quant import quantize_model
+from specdec.target.runner import ModelRunner, Window
+from specdec.target.weights import load_model
+from specdec.testing import write_tiny_pair
+from tests.target.test_quant import grid_weights
+
+pytestmark = pytest.mark.skipif(
+    qgemm.unavailable_reason() is not None, reason=f"w4a8 kernel unavailable: {qgemm.unavailable_reason()}"
+)
+
+
+def _linear(int4: bool, n: int = 64, k: int = 96, bias: bool = True, seed: int = 0) -> tuple[QLinear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = grid_weights(n, k, seed=seed) if int4 else torch.randn(n, k, generator=g) * 0.05
+    b = torch.randn(n, generator=g) if bias else None
+    return QLinear.from_weight(w, b, int4_max_error=0.02), w
+
+
+@pytest.mark.parametrize("int4", [True, False])
+def test_tiles_take_int4_only_on_the_grid_and_reproduce_the_weights(int4):
+    q, w = _linear(int4)
+    assert set(q.tile_bits.tolist()) == {4 if int4 else 8}
+    err = (dequantize(q) - w).norm() / w.norm()
+    assert err < (0.01 if int4 else 0.01), err  # int4: bf16 steps on the grid; int8: 127 levels
+
+
+@pytest.mark.parametrize("int4", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40])
+def test_kernel_computes_the_quantized_product(int4, dtype, rows):
+    q, w = _linear(int4)
+    x = torch.randn(rows, q.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    y = q(x)
+    assert y.dtype == dtype and y.shape == (rows, q.out_features)
+    ref = reference_qgemm(x, q)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output cast
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    # and close to the float product: activations lose ~0.5% per group of 32
+    exact = x.float() @ w.t() + q.bias
+    assert ((y.float() - exact).norm() / exact.norm()) < 0.02
+
+
+@pytest.mark.parametrize("int4", [True, False])
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(int4):
+    """What makes speculative verification of k+1 rows equal k+1 one-row steps."""
+    q, _ = _linear(int4)
+    x = torch.randn(13, q.in_features, generator=torch.Generator().manual_seed(3))
+    x[4] *= 100  # a far larger range must not change the other rows' quantization
+    batched = q(x)  # rows in chunks of 6, 6, 1
+    alone = torch.cat([q(x[i : i + 1]) for i in range(13)])
+    assert torch.equal(batched, alone)
+    assert torch.equal(q(x[2:7]), batched[2:7])
+
+
+def test_fused_linear_equals_its_parts_bitwise_whatever_their_formats():
+    parts = [_linear(True, n=32, seed=1)[0], _linear(False, n=48, bias=False, seed=2)[0], _linear(True, seed=3)[0]]
+    fused = fuse_qlinear(parts)
+    assert fused.tile_bits.tolist() == [4] * 2 + [8] * 3 + [4] * 4
+    x = torch.randn(5, 96).bfloat16()
+    assert torch.equal(fused(x), torch.cat([p(x) for p in parts], -1))
+    assert fuse_qlinear([parts[0], torch.nn.Linear(96, 16)]) is None
+    assert fuse_qlinear([parts[0], _linear(True, k=64)[0]]) is None  # another input size
+
+
+def test_empty_batch_and_leading_dimensions():
+    q, _ = _linear(True)
+    assert q(torch.zeros(0, 96)).shape == (0, 64)
+    x = torch.randn(2, 3, 96)
+    assert torch.equal(q(x), q(x.reshape(6, 96)).reshape(2, 3, 64))
+
+
+def test_shapes_off_the_tiles_are_refused_or_left_dense():
+    with pytest.raises(ValueError, match="out_features % 16"):
+        QLinear.from_weight(torch.randn(24, 64), None, 0.02)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24))  # neither dimension fits: stays dense
+    counts = quantize_model(model, "w4a8", progress=False)
+    assert counts["dense"] == 1 and isinstance(model[0], torch.nn.Linear)
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    runner = ModelRunner.build(model, 4, None, num_blocks=32)
+    table = runner.new_table()
+    table.ensure_slots(len(ids))
+    return runner.forward([Window(table, ids, len(ids))])
+
+
+@pytest.mark.parametrize("mode", ["w4a8", "w4a8-auto"])
+def test_w4a8_model_is_fused_cached_and_the_engine_stays_greedy_exact(tmp_path, monkeypatch, mode):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    target_dir, draft_dir = write_tiny_pair(tmp_path)
+    first = load_model(target_dir, torch.float32, quant=mode)
+    assert len(list((tmp_path / "cache" / "quantized").glob("*.safetensors"))) == 1
+    second = load_model(target_dir, torch.float32, quant=mode)
+    layer = second.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QLinear) and isinstance(layer.mlp.gate_up_proj, QLinear)
+    assert set(layer.mlp.down_proj.tile_bits.tolist()) == ({4} if mode == "w4a8" else {8})  # random: off grid
+    ids = [(i * 37) % 90 + 3 for i in range(40)]
+    assert torch.equal(_logits(first, ids), _logits(second, ids))
+    if mode == "w4a8-auto":  # int8 tiles on these random weights: close to the float model
+        dense = _logits(load_model(target_dir, torch.float32), ids)
+        assert ((_logits(second, ids) - dense).norm() / dense.norm()) < 0.05
+
+    draft = load_model(draft_dir, torch.float32, quant="w4a8")
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [30, 31], [100, 101, 102, 103, 104, 105, 106]]
+
+    def run(**kw):
+        config = EngineConfig(dtype="float32", num_blocks=64, block_size=4, adaptive_k=False, **kw)
+        return [o.token_ids for o in Engine.from_models(config, second, draft).generate(prompts, greedy)]
+
+    assert run(proposer="draft", num_speculative_tokens=4) == run(proposer="none")
+
+
+def test_without_the_kernel_w4a8_says_why_and_defaults_fall_back(monkeypatch):
+    monkeypatch.setenv("SPECDEC_NO_KERNELS", "1")
+    assert "SPECDEC_NO_KERNELS" in qgemm.unavailable_reason()
+    config = EngineConfig(dtype="bfloat16", device="cpu")
+    assert (config.target_quant, config.draft_quant) == ("w8a8", "int4+w8a8")
+    monkeypatch.setattr(qgemm, "load_qgemm", lambda: None)
+    with pytest.raises(qgemm.KernelUnavailableError, match="SPECDEC_NO_KERNELS=1.*w8a8"):
+        quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 32)), "w4a8", progress=False)
+
+
+def test_kernel_defaults_where_it_runs(monkeypatch):
+    monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
+    config = EngineConfig(dtype="bfloat16", device="cpu")
+    assert (config.target_quant, config.draft_quant) == ("w4a8-auto", "w4a8")
+    assert EngineConfig(dtype="float32", device="cpu").target_quant == "none"
