@@ -15,7 +15,8 @@ kernel) or the draft costs more than it saves.
 Costs are measured, not assumed: `CostTable` keeps an exponential average of wall-clock seconds
 per power-of-two bucket of the rows a forward takes (target forwards; draft-model forwards). A bucket
 never measured borrows its nearest measured neighbour, so untried sizes look as cheap as the
-closest known one and get tried. Acceptance is per sequence, from exponentially decayed counts
+closest known one and get tried; above the largest measured bucket the cost is extended along the
+line through the two largest (a compute-bound forward grows with its rows). Acceptance is per sequence, from exponentially decayed counts
 with a prior; steps that drafted nothing decay the counts back toward the prior, so a sequence
 whose speculation was switched off gets retried.
 
@@ -68,6 +69,7 @@ class CostTable:
     def __init__(self, prior: float | None) -> None:
         self.prior = prior
         self.seconds: dict[int, float] = {}
+        self.sizes: dict[int, float] = {}  # the average size measured in each bucket
 
     @staticmethod
     def bucket(size: int) -> int:
@@ -77,6 +79,7 @@ class CostTable:
         b = self.bucket(size)
         old = self.seconds.get(b)
         self.seconds[b] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        self.sizes[b] = size if old is None else (1 - COST_EMA) * self.sizes[b] + COST_EMA * size
 
     def __call__(self, size: int) -> float:
         if not self.seconds:
@@ -84,6 +87,14 @@ class CostTable:
         b = self.bucket(size)
         if b in self.seconds:
             return self.seconds[b]
+        known = sorted(self.seconds)
+        if b > known[-1] and len(known) > 1:
+            # Beyond the largest size measured, extend the line through the two largest buckets:
+            # a compute-bound forward grows with its rows, and under early stop the cap's size
+            # that speculation is priced at may never be measured itself.
+            hi, lo = known[-1], known[-2]
+            slope = (self.seconds[hi] - self.seconds[lo]) / max(self.sizes[hi] - self.sizes[lo], 1e-9)
+            return self.seconds[hi] + max(slope, 0.0) * (size - self.sizes[hi])
         nearest = min(self.seconds, key=lambda m: (abs(m - b), m))
         return self.seconds[nearest]
 

@@ -34,13 +34,13 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides the memory budget (both pools get this many)
     max_num_seqs: int = 16
     max_model_len: int | None = None
-    # CPU quantization; None picks per model. On the CPU in bfloat16 the target takes "w8a8" (int8
-    # weights and activations: a forward costs about the same for 1 to ~9 rows, so verifying k+1
-    # tokens costs about one token, and it is 1.7x faster than "auto" even for one row; KL 0.009
-    # nats/token from the GGUF weights, see README) and the draft "int4+w8a8" (int4, fastest for one
-    # row, plus an int8 copy for windows of 5+ rows: prefill, catch-up, batched drafting; a draft only
-    # proposes, so its rounding cannot change the output distribution); elsewhere "none".
-    # "auto" keeps the target's GGUF Q4_K weights exact (int4 where on the grid, else dense).
+    # CPU quantization; None picks per model. On the CPU in bfloat16, where specdec's AVX-512 VNNI
+    # kernel runs (`target.qgemm`), the target takes "w4a8-auto" (GGUF Q4_K tensors stay exactly
+    # int4, the rest int8, activations int8 per group of 32: 1.4-1.5x faster than "w8a8" for one
+    # row and KL 0.0015 vs 0.0097 nats/token from the GGUF weights, see README) and the draft "w4a8"
+    # (int4 everywhere; a draft only proposes, so its rounding cannot change the output
+    # distribution). Without the kernel: target "w8a8" (fbgemm int8 after SmoothQuant), draft
+    # "int4+w8a8" (torch's int4 kernel plus an int8 copy for windows of 5+ rows). Elsewhere "none".
     target_quant: str | None = None
     draft_quant: str | None = None
     ngram_min: int = 1

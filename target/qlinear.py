@@ -12,6 +12,9 @@ concatenating tiles whatever format each part took.
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
 from torch import nn
 
@@ -126,6 +129,32 @@ def fuse_qlinear(parts: list[nn.Module]) -> QLinear | None:
         torch.cat([p.tiles for p in parts]), torch.cat(offsets), torch.cat([p.tile_bits for p in parts]),
         parts[0].in_features, _cat_biases(parts, torch.float32),
     )
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in memory advised for transparent huge pages (Linux), else `t` itself.
+
+    A forward streams every tile once (~1.2 GB for the target); on 4 KiB pages the hardware
+    prefetchers stop at each page boundary and the TLB misses. 2 MiB pages made the target's GEMMs
+    ~7% faster here. Costs one copy at load.
+    """
+    if not sys.platform.startswith("linux") or t.numel() * t.element_size() < _HUGE_PAGE:
+        return t
+    n = t.numel() * t.element_size()
+    buf = torch.empty(n + _HUGE_PAGE, dtype=torch.uint8)
+    start = (-buf.data_ptr()) % _HUGE_PAGE
+    out = buf[start : start + n]
+    libc = ctypes.CDLL(None, use_errno=True)
+    length = (n + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
+    length = min(length, buf.numel() - start) // 4096 * 4096
+    if libc.madvise(ctypes.c_void_p(buf.data_ptr() + start), ctypes.c_size_t(length), _MADV_HUGEPAGE) != 0:
+        return t
+    out.copy_(t.reshape(-1).view(torch.uint8))  # first touch: the pages fault in huge
+    return out.view(t.dtype).view(t.shape)
 
 
 def dequantize(module: QLinear) -> torch.Tensor:

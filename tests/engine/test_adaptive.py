@@ -43,6 +43,18 @@ def test_cost_table_buckets_and_borrows_the_nearest_measurement():
     assert 0.10 < table(5) < 0.20  # an exponential average, not the last value
 
 
+def test_cost_table_extends_the_largest_measurements_along_their_line():
+    """Early stop prices speculation at the cap's rows (36 for 4 sequences at k = 8), a size the
+    shorter real drafts may never reach: borrowing the 5-row cost would make it look free."""
+    table = CostTable(prior=None)
+    table.observe(1, 0.040)
+    table.observe(5, 0.060)  # 5 ms per extra row: a compute-bound kernel
+    assert table(36) == pytest.approx(0.060 + 0.005 * 31)
+    assert table(3) == 0.040 or table(3) == 0.060  # inside the measured range: nearest bucket
+    table.observe(16, 0.050)  # cheaper than smaller sizes (noise): never extrapolate downwards
+    assert table(64) == pytest.approx(0.050)
+
+
 def _policy(verify, draft: float) -> SpeculationPolicy:
     policy = SpeculationPolicy()
     for rows in (1, 2, 4, 8, 16, 32, 64, 128):
