@@ -185,11 +185,14 @@ class Engine:
             caps = [0 if s.num_tokens - s.target_table.num_computed > 1 else k for s, k in zip(seqs, caps)]
         if self.policy is None:
             return caps, caps
-        # A draft cache that lags by the whole prompt must catch up once, whatever k; pricing that
-        # would keep speculation off forever, so the lag is priced up to a few rows.
+        # A draft cache that lags by the whole prompt must catch up once, whatever k. For a lone
+        # sequence pricing that would keep speculation off forever, so its lag is priced up to a
+        # few rows; a batch pays the whole catch-up it would cause (at 4 streams, prefilling the
+        # draft and catching up after each pause cost more than drafting then won).
+        cap = MAX_PRICED_LAG if len(seqs) == 1 else None
         lags = [
-            min(MAX_PRICED_LAG, s.num_tokens - s.draft_table.num_computed) if s.draft_table else 1
-            for s in seqs
+            min(cap or lag, lag)
+            for lag in (s.num_tokens - s.draft_table.num_computed if s.draft_table else 1 for s in seqs)
         ]
         ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags)
         if self.config.uses_draft_model and self.config.draft_stop_confidence > 0:

@@ -120,6 +120,26 @@ def test_adaptive_engine_stops_drafting_when_the_draft_never_pays(pair):
     assert engine.stats.num_draft_tokens == 0
 
 
+def test_a_batch_pays_its_whole_draft_catch_up_and_a_lone_sequence_a_few_rows(pair):
+    """Under load the draft's prefill and catch-ups after pauses cost more than drafting won; a lone
+    sequence must still get to draft (priced in full, a prompt's catch-up would keep it off)."""
+    from specdec.engine import MAX_PRICED_LAG
+
+    target, draft = pair
+    engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True)
+    seen = []
+    choose = engine.policy.choose_k
+    engine.policy.choose_k = lambda rates, caps, lags=None: seen.append((len(caps), lags)) or choose(rates, caps, lags)
+    long_prompts = [list(range(3, 3 + 20)), list(range(30, 30 + 20))]
+    engine.generate(long_prompts, GREEDY)
+    engine.generate(long_prompts[:1], GREEDY)
+    batched = [lags for n, lags in seen if n == 2]
+    alone = [lags for n, lags in seen if n == 1]
+    assert any(max(lags) > MAX_PRICED_LAG for lags in batched)  # the whole prompt is priced
+    assert alone and all(max(lags) <= MAX_PRICED_LAG for lags in alone)
+    assert engine.stats.num_draft_tokens > 0  # the lone sequence drafted
+
+
 @pytest.mark.parametrize("stop_below, stops", [(0.999, True), (1e-12, False)])
 def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops):
     """Greedy q is one-hot, so the stop reads the draft's softmax: an unsure tiny draft stops after
