@@ -33,6 +33,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def normed(norm: RMSNorm | None, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(norm(x))`; one call where the linear fuses the norm into its kernel
+    (`fuses_rmsnorm`: `QLinear`), saving the norm's eight ops per call."""
+    if norm is None:
+        return linear(x)
+    if getattr(linear, "fuses_rmsnorm", False) and norm.weight.dtype in (torch.bfloat16, torch.float32):
+        return linear(x, norm.weight, norm.eps)
+    return linear(norm(x))
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -60,12 +70,14 @@ class Attention(nn.Module):
         kv_cache: PagedKVCache,
         layer_idx: int,
         meta: AttentionMetadata,
+        norm: RMSNorm | None = None,  # applied to x first (fused into the projection where it can)
     ) -> torch.Tensor:
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:  # rotate q and k together: one rope over [T, Hq + Hkv, D]
-            qk, v = self.qkv_proj(x).split([(hq + hkv) * d, hkv * d], dim=-1)
+            qk, v = normed(norm, self.qkv_proj, x).split([(hq + hkv) * d, hkv * d], dim=-1)
             q, k = apply_rope(qk.view(t, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)
         else:
+            x = x if norm is None else norm(x)
             q = apply_rope(self.q_proj(x).view(t, hq, d), cos, sin)
             k = apply_rope(self.k_proj(x).view(t, hkv, d), cos, sin)
             v = self.v_proj(x)
@@ -92,10 +104,11 @@ class MLP(nn.Module):
             self.gate_up_proj = fused
             self.gate_proj = self.up_proj = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = normed(norm, self.gate_up_proj, x).chunk(2, dim=-1)
         else:
+            x = x if norm is None else norm(x)
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
 
@@ -109,8 +122,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, cos, sin, kv_cache, layer_idx, meta) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, layer_idx, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.self_attn(h, cos, sin, kv_cache, layer_idx, meta, norm=self.input_layernorm)
+        return h + self.mlp(h, norm=self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -151,5 +164,4 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, kv_cache, i, meta)
-        h = self.model.norm(h[logits_indices])  # [R, hidden]
-        return self.lm_head(h).float()  # [R, V]
+        return normed(self.model.norm, self.lm_head, h[logits_indices]).float()  # [R, V]

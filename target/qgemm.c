@@ -65,8 +65,8 @@ static inline float load_x(const void *x, int x_bf16, int64_t i) {
 /* x [M, K] -> xq [M, K] int8 and, per row and group of 32, the constants the tiles need:
  * gc[.][0] = xs (the group's scale), gc[.][1] = xs * sum(xq), gc[.][2] = 8 * gc[.][1] (int4 offset),
  * gc[.][3] = 128 * gc[.][1] (int8 offset). */
-static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int8_t *xq, float (*gc)[4],
-                          int threads) {
+static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, const float *inv_rms,
+                          const void *norm_w, int norm_w_bf16, int8_t *xq, float (*gc)[4], int threads) {
     const int64_t groups = k / GROUP;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > (1 << 16))
     for (int64_t idx = 0; idx < m * groups; idx++) {
@@ -74,6 +74,8 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int8_
         float v[GROUP], amax = 0.0f;
         for (int i = 0; i < GROUP; i++) {
             v[i] = load_x(x, x_bf16, base + i);
+            if (norm_w)  /* RMSNorm fused in: x * rsqrt(mean(x^2) + eps) * w, in fp32 */
+                v[i] = v[i] * inv_rms[idx / groups] * load_x(norm_w, norm_w_bf16, (idx % groups) * GROUP + i);
             amax = fmaxf(amax, fabsf(v[i]));
         }
         const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -171,20 +173,33 @@ static inline void store_rows(const __m512 *acc, int R, const float *bias, void 
         store_rows(acc, R, bias, y, y_bf16, n, row, t * TILE);                                    \
     } while (0)
 
-/* y[M, N] = x[M, K] @ w^T + bias. `tiles` is the weight blob, `tile_offsets[N/16]` the byte offset
- * of each tile in it and `tile_bits[N/16]` its format (4 or 8). x and y are fp32 or bf16 (flags),
- * bias fp32 or NULL. Returns 0, or -1 when out of memory. */
+/* y[M, N] = x[M, K] @ w^T + bias, or rmsnorm(x) @ w^T + bias with `norm_w` [K] (fp32 or bf16; NULL:
+ * none). `tiles` is the weight blob, `tile_offsets[N/16]` the byte offset of each tile in it and
+ * `tile_bits[N/16]` its format (4 or 8). x and y are fp32 or bf16 (flags), bias fp32 or NULL.
+ * Returns 0, or -1 when out of memory. */
 int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *tiles,
           const int64_t *tile_offsets, const uint8_t *tile_bits, int64_t n, const float *bias,
-          void *y, int y_bf16, int threads) {
+          void *y, int y_bf16, const void *norm_w, int norm_w_bf16, float eps, int threads) {
     const int64_t groups = k / GROUP;
     int8_t *xq = (int8_t *)malloc((size_t)(m * k));
     float(*gc)[4] = (float(*)[4])malloc(sizeof(float[4]) * (size_t)(m * groups));
-    if (!xq || !gc) {
-        free(xq), free(gc);
+    float *inv_rms = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
+    if (!xq || !gc || !inv_rms) {
+        free(xq), free(gc), free(inv_rms);
         return -1;
     }
-    quantize_rows(x, x_bf16, m, k, xq, gc, threads);
+    if (norm_w) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * k > (1 << 16))
+        for (int64_t r = 0; r < m; r++) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < k; i++) {
+                const float v = load_x(x, x_bf16, r * k + i);
+                sum += v * v;
+            }
+            inv_rms[r] = 1.0f / sqrtf(sum / (float)k + eps);
+        }
+    }
+    quantize_rows(x, x_bf16, m, k, inv_rms, norm_w, norm_w_bf16, xq, gc, threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < n / TILE; t++) {
         const uint8_t *tile = tiles + tile_offsets[t];
@@ -200,9 +215,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *tiles,
             default: break;
         }
     }
-    free(xq), free(gc);
+    free(xq), free(gc), free(inv_rms);
     return 0;
 }
 
 /* Whether this build's instructions run here (the loader checks the CPU flags too). */
-int qgemm_abi_version(void) { return 1; }
+int qgemm_abi_version(void) { return 2; }

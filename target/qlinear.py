@@ -27,6 +27,8 @@ TILE = 16  # output channels per tile (qgemm.c TILE)
 class QLinear(nn.Module):
     """`y = x @ w.T + b` on `qgemm`; see the module docstring for the formats."""
 
+    fuses_rmsnorm = True  # forward(x, norm_weight, eps) computes RMSNorm(x) inside the kernel
+
     def __init__(
         self, tiles: torch.Tensor, tile_offsets: torch.Tensor, tile_bits: torch.Tensor,
         in_features: int, bias: torch.Tensor | None,
@@ -61,7 +63,9 @@ class QLinear(nn.Module):
         size = tiles.numel() // t
         return cls(tiles, torch.arange(t, dtype=torch.int64) * size, torch.full((t,), bits, dtype=torch.uint8), k, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+        """`x [..., K] -> [..., N]`; with `norm_weight [K]`, of `RMSNorm(x)` (fused into the
+        kernel's activation quantization: one call instead of the norm's eight ops)."""
         x2 = x.reshape(-1, self.in_features)  # [M, K]
         if x2.dtype not in (torch.bfloat16, torch.float32):
             x2 = x2.float()
@@ -72,7 +76,9 @@ class QLinear(nn.Module):
                 x2.data_ptr(), x2.dtype == torch.bfloat16, x2.shape[0], self.in_features,
                 self.tiles.data_ptr(), self.tile_offsets.data_ptr(), self.tile_bits.data_ptr(),
                 self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                y.data_ptr(), y.dtype == torch.bfloat16, torch.get_num_threads(),
+                y.data_ptr(), y.dtype == torch.bfloat16,
+                None if norm_weight is None else norm_weight.data_ptr(),
+                norm_weight is not None and norm_weight.dtype == torch.bfloat16, eps, torch.get_num_threads(),
             )
             if rc != 0:
                 raise MemoryError("qgemm could not allocate its activation buffers")

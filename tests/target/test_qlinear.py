@@ -62,6 +62,21 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(int4):
     assert torch.equal(q(x[2:7]), batched[2:7])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_fused_into_the_kernel_matches_norm_then_linear(dtype):
+    from specdec.target.model import RMSNorm, normed
+
+    q, _ = _linear(True)
+    norm = RMSNorm(96, 1e-6).to(dtype)
+    norm.weight.data = (torch.rand(96, generator=torch.Generator().manual_seed(5)) + 0.5).to(dtype)
+    x = (torch.randn(7, 96, generator=torch.Generator().manual_seed(6)) * 3).to(dtype)
+    fused, unfused = normed(norm, q, x), q(norm(x))
+    assert fused.dtype == dtype
+    assert ((fused.float() - unfused.float()).norm() / unfused.float().norm()) < 0.01
+    assert torch.equal(fused, torch.cat([normed(norm, q, x[i : i + 1]) for i in range(7)]))
+    assert normed(None, q, x).equal(q(x))
+
+
 def test_fused_linear_equals_its_parts_bitwise_whatever_their_formats():
     parts = [_linear(True, n=32, seed=1)[0], _linear(False, n=48, bias=False, seed=2)[0], _linear(True, seed=3)[0]]
     fused = fuse_qlinear(parts)
