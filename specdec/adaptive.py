@@ -16,9 +16,9 @@ Costs are measured, not assumed: `CostTable` keeps an exponential average of wal
 per power-of-two bucket of the rows a forward takes (target forwards; draft-model forwards). A bucket
 never measured borrows its nearest measured neighbour, so untried sizes look as cheap as the
 closest known one and get tried; above the largest measured bucket the cost is extended along the
-line through the two largest (a compute-bound forward grows with its rows). Acceptance is per sequence, from exponentially decayed counts
-with a prior; steps that drafted nothing decay the counts back toward the prior, so a sequence
-whose speculation was switched off gets retried.
+line through the two largest (a compute-bound forward grows with its rows). Acceptance is per
+sequence, from exponentially decayed counts with a prior; steps that drafted nothing decay the
+counts back toward the prior, so a sequence whose speculation was switched off gets retried.
 
 Because k follows timings, two runs with the same seed may draft differently; every k keeps the
 output distribution exact (rejection sampling), but a seeded sample is reproducible token for

@@ -189,11 +189,9 @@ class Engine:
         # sequence pricing that would keep speculation off forever, so its lag is priced up to a
         # few rows; a batch pays the whole catch-up it would cause (at 4 streams, prefilling the
         # draft and catching up after each pause cost more than drafting then won).
-        cap = MAX_PRICED_LAG if len(seqs) == 1 else None
-        lags = [
-            min(cap or lag, lag)
-            for lag in (s.num_tokens - s.draft_table.num_computed if s.draft_table else 1 for s in seqs)
-        ]
+        lags = [s.num_tokens - s.draft_table.num_computed if s.draft_table else 1 for s in seqs]
+        if len(seqs) == 1:
+            lags = [min(MAX_PRICED_LAG, lag) for lag in lags]
         ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags)
         if self.config.uses_draft_model and self.config.draft_stop_confidence > 0:
             # The policy decides whether drafting pays; the draft's confidence decides how far

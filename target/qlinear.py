@@ -49,7 +49,9 @@ class QLinear(nn.Module):
 
         n, k = weight.shape
         if n % TILE or k % GROUP:
-            raise ValueError(f"QLinear needs out_features % {TILE} == 0 and in_features % {GROUP} == 0, got {n}x{k}")
+            raise ValueError(
+                f"QLinear needs out_features % {TILE} == 0 and in_features % {GROUP} == 0, got {n}x{k}"
+            )
         q4, sz = quantize_int4(weight, GROUP)
         if int4_error(weight, q4, sz) < int4_max_error:
             step, zero = sz.transpose(0, 1).unbind(-1)  # [N, G] bf16 each
@@ -61,9 +63,12 @@ class QLinear(nn.Module):
             bits = 8
         t = n // TILE
         size = tiles.numel() // t
-        return cls(tiles, torch.arange(t, dtype=torch.int64) * size, torch.full((t,), bits, dtype=torch.uint8), k, bias)
+        offsets = torch.arange(t, dtype=torch.int64) * size
+        return cls(tiles, offsets, torch.full((t,), bits, dtype=torch.uint8), k, bias)
 
-    def forward(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0
+    ) -> torch.Tensor:
         """`x [..., K] -> [..., N]`; with `norm_weight [K]`, of `RMSNorm(x)` (fused into the
         kernel's activation quantization: one call instead of the norm's eight ops)."""
         x2 = x.reshape(-1, self.in_features)  # [M, K]
@@ -117,7 +122,8 @@ def pack_int8(q: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 
 def _tile_scales(s: torch.Tensor, t: int, g: int) -> torch.Tensor:  # [N, G] bf16 -> [t, g, 32] bytes
-    return s.to(torch.bfloat16).contiguous().view(t, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8).view(t, g, 32)
+    s = s.to(torch.bfloat16).contiguous().view(t, TILE, g).permute(0, 2, 1).contiguous()  # [t, g, 16]
+    return s.view(torch.uint8).view(t, g, 32)
 
 
 def fuse_qlinear(parts: list[nn.Module]) -> QLinear | None:

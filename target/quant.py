@@ -252,7 +252,8 @@ def int4_error(weight: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> float
     return ((w - weight.float()).norm() / weight.float().norm().clamp(min=1e-12)).item()
 
 
-def _kind(module: nn.Module) -> str:
+def linear_kind(module: nn.Module) -> str:
+    """The quantized format of a linear, as counted and cached: int4, int8, qlinear or dense."""
     from specdec.target.qlinear import QLinear
 
     kinds = {Int4Linear: "int4", Int8Linear: "int8", QLinear: "qlinear"}
@@ -260,7 +261,7 @@ def _kind(module: nn.Module) -> str:
 
 
 def _choose(linear: nn.Linear, mode: str) -> nn.Module:
-    """The quantized version of a linear for `mode` ("int4", "auto", "int4+w8a8", "w4a8"), or the
+    """The quantized version of a linear for `mode` (every mode but "none" and "w8a8"), or the
     linear itself where the format does not fit its shape (or, for "auto", its values)."""
     w, b = linear.weight.detach(), linear.bias
     if mode.startswith("w4a8"):
@@ -309,7 +310,7 @@ def quantize_model(
     for name, linear in tqdm(targets, desc=f"quantizing to {mode} (once; cached)", unit="linear",
                              leave=False, disable=not progress):
         new = Int8Linear.from_float(linear) if mode == "w8a8" else _choose(linear, mode)
-        counts[_kind(new)] += 1
+        counts[linear_kind(new)] += 1
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, new)
     return counts

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.qlinear import QLinear
-from specdec.target.quant import Int4Linear, Int8Linear, _kind
+from specdec.target.quant import Int4Linear, Int8Linear, linear_kind
 
 FORMAT_VERSION = "2"  # bump when quantization changes, so stale caches are not reused
 
@@ -42,7 +42,8 @@ def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
 def save_quantized(model: LlamaForCausalLM, path: Path) -> None:
     """Write the model's state dict and quantization manifest atomically."""
     manifest = {
-        name: _kind(m) for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, QLinear))
+        name: linear_kind(m)
+        for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, QLinear))
     }
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
     path.parent.mkdir(parents=True, exist_ok=True)
