@@ -61,9 +61,9 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         fast_cpu = self.dtype == "bfloat16" and self.resolved_device() == "cpu"
         if fast_cpu and (self.target_quant is None or self.draft_quant is None):
-            from specdec.target.qgemm import unavailable_reason
+            from specdec.target.qgemm import load_qgemm
 
-            kernel = unavailable_reason() is None
+            kernel = load_qgemm() is not None  # builds it once (~2 s) where it can run
             if self.target_quant is None:
                 self.target_quant = "w4a8-auto" if kernel else "w8a8"
             if self.draft_quant is None:

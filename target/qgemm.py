@@ -35,9 +35,8 @@ def unavailable_reason() -> str | None:
         return "SPECDEC_NO_KERNELS=1 is set"
     if not sys.platform.startswith("linux"):
         return f"the kernel is built for Linux, not {sys.platform}"
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
+    flags = _cpu_flags()
+    if flags is None:
         return "/proc/cpuinfo is unreadable"
     missing = [f for f in CPU_FLAGS if f not in flags]
     if missing:
@@ -47,15 +46,25 @@ def unavailable_reason() -> str | None:
     return None
 
 
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    try:
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return None
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-@functools.cache
 def load_qgemm() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; None where it cannot run."""
-    if unavailable_reason() is not None:
-        return None
+    return None if unavailable_reason() is not None else _load()
+
+
+@functools.cache
+def _load() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(_build()))
     except (OSError, subprocess.CalledProcessError):

@@ -151,3 +151,11 @@ def test_kernel_defaults_where_it_runs(monkeypatch):
     config = EngineConfig(dtype="bfloat16", device="cpu")
     assert (config.target_quant, config.draft_quant) == ("w4a8-auto", "w4a8")
     assert EngineConfig(dtype="float32", device="cpu").target_quant == "none"
+
+
+def test_a_failed_build_falls_back_to_torchs_kernels_with_the_reason(monkeypatch):
+    monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
+    monkeypatch.setattr(qgemm, "_load", lambda: None)  # e.g. the compiler failed
+    assert EngineConfig(dtype="bfloat16", device="cpu").target_quant == "w8a8"
+    with pytest.raises(qgemm.KernelUnavailableError, match="building qgemm.c failed"):
+        qgemm.require_qgemm()
