@@ -4,15 +4,13 @@ import pytest
 import torch
 
 from specdec.config import EngineConfig
-from specdec.engine import Engine
-from specdec.sampling_params import SamplingParams
 from specdec.target import qgemm
 from specdec.target.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
 from specdec.target.quant import quantize_model
-from specdec.target.runner import ModelRunner, Window
 from specdec.target.weights import load_model
 from specdec.testing import write_tiny_pair
 from tests.target.test_quant import grid_weights
+from tests.target.test_w8a8 import IDS, prompt_logits, speculative_and_plain_greedy
 
 pytestmark = pytest.mark.skipif(
     qgemm.unavailable_reason() is not None, reason=f"w4a8 kernel unavailable: {qgemm.unavailable_reason()}"
@@ -102,13 +100,6 @@ def test_shapes_off_the_tiles_are_refused_or_left_dense():
     assert counts["dense"] == 1 and isinstance(model[0], torch.nn.Linear)
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    runner = ModelRunner.build(model, 4, None, num_blocks=32)
-    table = runner.new_table()
-    table.ensure_slots(len(ids))
-    return runner.forward([Window(table, ids, len(ids))])
-
-
 @pytest.mark.parametrize("mode", ["w4a8", "w4a8-auto"])
 def test_w4a8_model_is_fused_cached_and_the_engine_stays_greedy_exact(tmp_path, monkeypatch, mode):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
@@ -119,21 +110,13 @@ def test_w4a8_model_is_fused_cached_and_the_engine_stays_greedy_exact(tmp_path, 
     layer = second.model.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, QLinear) and isinstance(layer.mlp.gate_up_proj, QLinear)
     assert set(layer.mlp.down_proj.tile_bits.tolist()) == ({4} if mode == "w4a8" else {8})  # random: off grid
-    ids = [(i * 37) % 90 + 3 for i in range(40)]
-    assert torch.equal(_logits(first, ids), _logits(second, ids))
+    assert torch.equal(prompt_logits(first, IDS), prompt_logits(second, IDS))
     if mode == "w4a8-auto":  # int8 tiles on these random weights: close to the float model
-        dense = _logits(load_model(target_dir, torch.float32), ids)
-        assert ((_logits(second, ids) - dense).norm() / dense.norm()) < 0.05
+        dense = prompt_logits(load_model(target_dir, torch.float32), IDS)
+        assert ((prompt_logits(second, IDS) - dense).norm() / dense.norm()) < 0.05
 
-    draft = load_model(draft_dir, torch.float32, quant="w4a8")
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9], [30, 31], [100, 101, 102, 103, 104, 105, 106]]
-
-    def run(**kw):
-        config = EngineConfig(dtype="float32", num_blocks=64, block_size=4, adaptive_k=False, **kw)
-        return [o.token_ids for o in Engine.from_models(config, second, draft).generate(prompts, greedy)]
-
-    assert run(proposer="draft", num_speculative_tokens=4) == run(proposer="none")
+    speculative, plain = speculative_and_plain_greedy(second, load_model(draft_dir, torch.float32, quant="w4a8"))
+    assert speculative == plain
 
 
 def test_without_the_kernel_w4a8_says_why_and_defaults_fall_back(monkeypatch):

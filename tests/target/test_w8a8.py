@@ -37,11 +37,24 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch():
     assert torch.equal(batched, alone)
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
+def prompt_logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits `[len(ids), V]` of one prefill of `ids` (also used by test_qlinear)."""
     runner = ModelRunner.build(model, 4, None, num_blocks=32)
     table = runner.new_table()
     table.ensure_slots(len(ids))
     return runner.forward([Window(table, ids, len(ids))])
+
+
+def speculative_and_plain_greedy(target, draft) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy outputs of three prompts in fp32, with a draft at fixed k = 4 and without one."""
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [30, 31], [100, 101, 102, 103, 104, 105, 106]]
+
+    def run(**kw):
+        config = EngineConfig(dtype="float32", num_blocks=64, block_size=4, adaptive_k=False, **kw)
+        return [o.token_ids for o in Engine.from_models(config, target, draft).generate(prompts, greedy)]
+
+    return run(proposer="draft", num_speculative_tokens=4), run(proposer="none")
 
 
 def _outlier_model():
@@ -61,20 +74,20 @@ IDS = [(i * 37) % 90 + 3 for i in range(40)]
 
 def test_smoothing_is_an_exact_rewrite_in_fp32():
     model = _outlier_model()
-    before = _logits(model, IDS)
+    before = prompt_logits(model, IDS)
     smooth_model(model, IDS[:20])
-    assert _rel(_logits(model, IDS), before) < 1e-4
+    assert _rel(prompt_logits(model, IDS), before) < 1e-4
 
 
 def test_smoothing_shrinks_the_w8a8_error():
     model = _outlier_model()
-    reference = _logits(model, IDS)
+    reference = prompt_logits(model, IDS)
     plain, smoothed = copy.deepcopy(model), copy.deepcopy(model)
     plain.parameters = smoothed.parameters = lambda: iter([torch.zeros(1)])  # CPU check only
     quantize_model(plain, "w8a8", progress=False, calibration_ids=[])
     quantize_model(smoothed, "w8a8", progress=False, calibration_ids=IDS[:20])
     del plain.parameters, smoothed.parameters
-    err_plain, err_smoothed = _rel(_logits(plain, IDS), reference), _rel(_logits(smoothed, IDS), reference)
+    err_plain, err_smoothed = _rel(prompt_logits(plain, IDS), reference), _rel(prompt_logits(smoothed, IDS), reference)
     assert err_smoothed < 0.7 * err_plain, (err_plain, err_smoothed)
 
 
@@ -85,14 +98,7 @@ def test_w8a8_model_is_cached_and_the_engine_stays_greedy_exact(tmp_path, monkey
     assert len(list((tmp_path / "cache" / "quantized").glob("*.safetensors"))) == 1
     second = load_model(target_dir, torch.float32, quant="w8a8")
     assert isinstance(second.model.layers[0].mlp.down_proj, Int8Linear)
-    assert torch.equal(_logits(first, IDS), _logits(second, IDS))
+    assert torch.equal(prompt_logits(first, IDS), prompt_logits(second, IDS))
 
-    draft = load_model(draft_dir, torch.float32, quant="w8a8")
-    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [[5, 6, 7, 8, 9], [30, 31], [100, 101, 102, 103, 104, 105, 106]]
-
-    def run(**kw):
-        config = EngineConfig(dtype="float32", num_blocks=64, block_size=4, adaptive_k=False, **kw)
-        return [o.token_ids for o in Engine.from_models(config, second, draft).generate(prompts, greedy)]
-
-    assert run(proposer="draft", num_speculative_tokens=4) == run(proposer="none")
+    speculative, plain = speculative_and_plain_greedy(second, load_model(draft_dir, torch.float32, quant="w8a8"))
+    assert speculative == plain
