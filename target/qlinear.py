@@ -41,6 +41,12 @@ class QLinear(nn.Module):
         self.in_features, self.out_features = in_features, TILE * tile_bits.numel()
         self._lib = require_qgemm()
 
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether `weight [N, K]` fills whole tiles and groups (N % 16 == K % 32 == 0)."""
+        n, k = weight.shape
+        return n % TILE == 0 and k % GROUP == 0
+
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, int4_max_error: float) -> "QLinear":
         """Quantize `weight [N, K]`: int4 (asymmetric, bf16 step and zero) where its relative error
@@ -48,7 +54,7 @@ class QLinear(nn.Module):
         from specdec.target.quant import int4_error, quantize_int4
 
         n, k = weight.shape
-        if n % TILE or k % GROUP:
+        if not cls.fits(weight):
             raise ValueError(
                 f"QLinear needs out_features % {TILE} == 0 and in_features % {GROUP} == 0, got {n}x{k}"
             )

@@ -265,9 +265,9 @@ def _choose(linear: nn.Linear, mode: str) -> nn.Module:
     linear itself where the format does not fit its shape (or, for "auto", its values)."""
     w, b = linear.weight.detach(), linear.bias
     if mode.startswith("w4a8"):
-        from specdec.target.qlinear import GROUP, TILE, QLinear
+        from specdec.target.qlinear import QLinear
 
-        if w.shape[0] % TILE or w.shape[1] % GROUP:
+        if not QLinear.fits(w):
             return linear
         return QLinear.from_weight(w, b, AUTO_INT4_MAX_ERROR if mode == "w4a8-auto" else float("inf"))
     if w.shape[1] % INT4_GROUP or w.shape[0] % 16:
