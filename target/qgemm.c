@@ -218,6 +218,3 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *tiles,
     free(xq), free(gc), free(inv_rms);
     return 0;
 }
-
-/* Whether this build's instructions run here (the loader checks the CPU flags too). */
-int qgemm_abi_version(void) { return 2; }
