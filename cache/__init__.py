@@ -2,6 +2,7 @@
 
 from .attention import paged_attention, paged_attention_ref, write_kv
 from .block_pool import BlockPool, NoFreeBlocksError
+from . import cpu_attention
 from .block_table import BlockTable
 from .kv_cache import KVCacheSpec, PagedKVCache
 from .metadata import AttentionMetadata, build_attention_metadata
@@ -15,6 +16,7 @@ __all__ = [
     "NoFreeBlocksError",
     "PagedKVCache",
     "build_attention_metadata",
+    "cpu_attention",
     "paged_attention",
     "paged_attention_ref",
     "paged_attention_triton",

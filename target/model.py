@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.cache import AttentionMetadata, PagedKVCache, paged_attention, write_kv
+from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention, paged_attention, write_kv
 from specdec.target.config import ModelConfig
-from specdec.target.rope import RotaryEmbedding, apply_rope
+from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope
 
 MAX_ROPE_POSITIONS = 32768
 
@@ -43,6 +43,19 @@ def normed(norm: RMSNorm | None, linear: nn.Module, x: torch.Tensor) -> torch.Te
     return linear(norm(x))
 
 
+def plus_linear(
+    residual: torch.Tensor | None, linear: nn.Module, x: torch.Tensor, glu: bool = False
+) -> torch.Tensor:
+    """`residual + linear(x)` (None: no residual), or with `glu` of `silu(gate) * up` where `x` is
+    `gate | up`; one call where the linear fuses both into its kernel (`fuses_epilogue`: `QLinear`)."""
+    if getattr(linear, "fuses_epilogue", False):
+        return linear(x, residual=residual, glu=glu)
+    if glu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    return linear(x) if residual is None else residual + linear(x)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -65,29 +78,34 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, D]
-        sin: torch.Tensor,  # [T, 1, D] signed (see apply_rope)
+        rotation: Rotation,
         kv_cache: PagedKVCache,
         layer_idx: int,
         meta: AttentionMetadata,
         norm: RMSNorm | None = None,  # applied to x first (fused into the projection where it can)
-    ) -> torch.Tensor:
+        residual: torch.Tensor | None = None,  # [T, hidden]: returned plus the attention output
+    ) -> torch.Tensor:  # [T, hidden]
         t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        if self.qkv_proj is not None:  # rotate q and k together: one rope over [T, Hq + Hkv, D]
-            qk, v = normed(norm, self.qkv_proj, x).split([(hq + hkv) * d, hkv * d], dim=-1)
-            q, k = apply_rope(qk.view(t, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        if self.qkv_proj is not None:
+            qkv = normed(norm, self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
         else:
             x = x if norm is None else norm(x)
-            q = apply_rope(self.q_proj(x).view(t, hq, d), cos, sin)
-            k = apply_rope(self.k_proj(x).view(t, hkv, d), cos, sin)
-            v = self.v_proj(x)
-        v = v.view(t, hkv, d)
-        k_cache, v_cache = kv_cache.layer(layer_idx)
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
-        out = paged_attention(
-            q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale
-        )  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if cpu_attention.supports(meta, qkv, k_cache, kv_cache.k_scale, kv_cache.v_scale):
+            out = cpu_attention.rope_write_attend(
+                qkv, hq, hkv, rotation.positions, rotation.cos_table, rotation.signed_sin_table,
+                k_cache, v_cache, meta, self.scale,
+            )  # [T, Hq * D]: rope, KV write and attention in one kernel call
+        else:
+            cos, sin = rotation.cos_sin
+            qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)  # rotate q and k together
+            q, k = apply_rope(qk.view(t, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)
+            write_kv(k, v.view(t, hkv, d), k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
+            out = paged_attention(
+                q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale
+            ).reshape(t, hq * d)  # [T, Hq * D]
+        return plus_linear(residual, self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -104,13 +122,16 @@ class MLP(nn.Module):
             self.gate_up_proj = fused
             self.gate_proj = self.up_proj = None
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        norm: RMSNorm | None = None,  # applied to x first (fused into the projection where it can)
+        residual: torch.Tensor | None = None,  # [T, hidden]: returned plus the MLP output
+    ) -> torch.Tensor:  # [T, hidden]
         if self.gate_up_proj is not None:
-            gate, up = normed(norm, self.gate_up_proj, x).chunk(2, dim=-1)
-        else:
-            x = x if norm is None else norm(x)
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return plus_linear(residual, self.down_proj, normed(norm, self.gate_up_proj, x), glu=True)
+        x = x if norm is None else norm(x)
+        return plus_linear(residual, self.down_proj, torch.cat([self.gate_proj(x), self.up_proj(x)], -1), glu=True)
 
 
 class DecoderLayer(nn.Module):
@@ -121,9 +142,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv_cache, layer_idx, meta) -> torch.Tensor:
-        h = h + self.self_attn(h, cos, sin, kv_cache, layer_idx, meta, norm=self.input_layernorm)
-        return h + self.mlp(h, norm=self.post_attention_layernorm)
+    def forward(self, h, rotation, kv_cache, layer_idx, meta) -> torch.Tensor:
+        h = self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm, residual=h)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
 class LlamaModel(nn.Module):
@@ -161,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         logits_indices: torch.Tensor,  # [R]
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, h.dtype)
+        rotation = self.rotary(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache, i, meta)
+            h = layer(h, rotation, kv_cache, i, meta)
         return normed(self.model.norm, self.lm_head, h[logits_indices]).float()  # [R, V]

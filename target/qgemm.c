@@ -14,7 +14,7 @@
  * (speculative verification of k+1 rows equals k+1 single-row forwards).
  *
  * Each weight tile is read once per call however many rows there are: rows are processed in
- * chunks of up to 4 against the tile while it sits in L1/L2, so verifying k+1 tokens costs about
+ * chunks of up to 6 against the tile while it sits in L1/L2, so verifying k+1 tokens costs about
  * what one costs until the VNNI units, not memory, are the limit.
  *
  * Tile layout (bytes, per group g of the tile, groups in order):
@@ -62,22 +62,60 @@ static inline float load_x(const void *x, int x_bf16, int64_t i) {
     return ((const float *)x)[i];
 }
 
-/* x [M, K] -> xq [M, K] int8 and, per row and group of 32, the constants the tiles need:
+/* e^x (Cephes expf: x = n ln2 + r, e^r by a degree-6 polynomial, 2^n by scalef); relative error
+ * ~2e-7, 0 below -87, inf above ~88. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 load16(const void *x, int x_bf16, int64_t i) {
+    return x_bf16 ? bf16x16_to_fp32((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
+}
+
+/* The 32 fp32 inputs of group g of row r: x itself, RMSNorm(x) (norm_w), or with `glu` (x is
+ * [M, 2K], gate | up) silu(gate) * up, computed in fp32. */
+static inline void load_group(const void *x, int x_bf16, int64_t r, int64_t g, int64_t k, int glu,
+                              const float *inv_rms, const void *norm_w, int norm_w_bf16, float *v) {
+    for (int i = 0; i < GROUP; i += 16) {
+        const int64_t col = g * GROUP + i;
+        __m512 a;
+        if (glu) {
+            const __m512 gate = load16(x, x_bf16, r * 2 * k + col), up = load16(x, x_bf16, r * 2 * k + k + col);
+            const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
+            a = _mm512_div_ps(_mm512_mul_ps(gate, up), sig);
+        } else {
+            a = load16(x, x_bf16, r * k + col);
+            if (norm_w) /* RMSNorm fused in: x * rsqrt(mean(x^2) + eps) * w, in fp32 */
+                a = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(inv_rms[r])), load16(norm_w, norm_w_bf16, col));
+        }
+        _mm512_storeu_ps(v + i, a);
+    }
+}
+
+/* x -> xq [M, K] int8 and, per row and group of 32, the constants the tiles need:
  * gc[.][0] = xs (the group's scale), gc[.][1] = xs * sum(xq), gc[.][2] = 8 * gc[.][1] (int4 offset),
  * gc[.][3] = 128 * gc[.][1] (int8 offset). */
-static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, const float *inv_rms,
+static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const float *inv_rms,
                           const void *norm_w, int norm_w_bf16, int8_t *xq, float (*gc)[4], int threads) {
     const int64_t groups = k / GROUP;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > (1 << 16))
     for (int64_t idx = 0; idx < m * groups; idx++) {
-        const int64_t base = idx * GROUP;  /* rows are contiguous: group idx starts here */
+        const int64_t base = idx * GROUP;  /* xq rows are contiguous: group idx starts here */
         float v[GROUP], amax = 0.0f;
-        for (int i = 0; i < GROUP; i++) {
-            v[i] = load_x(x, x_bf16, base + i);
-            if (norm_w)  /* RMSNorm fused in: x * rsqrt(mean(x^2) + eps) * w, in fp32 */
-                v[i] = v[i] * inv_rms[idx / groups] * load_x(norm_w, norm_w_bf16, (idx % groups) * GROUP + i);
-            amax = fmaxf(amax, fabsf(v[i]));
-        }
+        load_group(x, x_bf16, idx / groups, idx % groups, k, glu, inv_rms, norm_w, norm_w_bf16, v);
+        for (int i = 0; i < GROUP; i++) amax = fmaxf(amax, fabsf(v[i]));
         const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int i = 0; i < GROUP; i++) {
@@ -153,16 +191,23 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
-static inline void store_rows(const __m512 *acc, int R, const float *bias, void *y, int y_bf16,
-                              int64_t n, int64_t row0, int64_t col0) {
+/* y = acc + bias (+ residual: rounded to y's dtype first, then added in fp32 and rounded again,
+ * which is bitwise `residual + linear(x)` in torch). */
+static inline void store_rows(const __m512 *acc, int R, const float *bias, const void *res, void *y,
+                              int y_bf16, int64_t n, int64_t row0, int64_t col0) {
     const __m512 b = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
     for (int r = 0; r < R; r++) {
-        const __m512 v = _mm512_add_ps(acc[r], b);
+        __m512 v = _mm512_add_ps(acc[r], b);
         const int64_t at = (row0 + r) * n + col0;
-        if (y_bf16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), fp32x16_to_bf16(v));
-        else
+        if (y_bf16) {
+            __m256i h = fp32x16_to_bf16(v);
+            if (res)
+                h = fp32x16_to_bf16(_mm512_add_ps(bf16x16_to_fp32(&h), bf16x16_to_fp32((const uint16_t *)res + at)));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), h);
+        } else {
+            if (res) v = _mm512_add_ps(v, _mm512_loadu_ps((const float *)res + at));
             _mm512_storeu_ps((float *)y + at, v);
+        }
     }
 }
 
@@ -170,16 +215,18 @@ static inline void store_rows(const __m512 *acc, int R, const float *bias, void 
     do {                                                                                          \
         __m512 acc[MAX_ROWS];                                                                     \
         tile_rows(tile, bits, groups, xq + row * k, gc + row * groups, k, R, acc);                \
-        store_rows(acc, R, bias, y, y_bf16, n, row, t * TILE);                                    \
+        store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                    \
     } while (0)
 
-/* y[M, N] = x[M, K] @ w^T + bias, or rmsnorm(x) @ w^T + bias with `norm_w` [K] (fp32 or bf16; NULL:
- * none). `tiles` is the weight blob, `tile_offsets[N/16]` the byte offset of each tile in it and
- * `tile_bits[N/16]` its format (4 or 8). x and y are fp32 or bf16 (flags), bias fp32 or NULL.
- * Returns 0, or -1 when out of memory. */
-int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *tiles,
+/* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
+ * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
+ * the byte offset of each tile in it and `tile_bits[N/16]` its format (4 or 8). x, y, residual
+ * [M, N] (NULL: none; may be y) and norm_w are fp32 or bf16 (flags; residual as y), bias fp32
+ * or NULL. Returns 0, or -1 when out of memory. */
+int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_t *tiles,
           const int64_t *tile_offsets, const uint8_t *tile_bits, int64_t n, const float *bias,
-          void *y, int y_bf16, const void *norm_w, int norm_w_bf16, float eps, int threads) {
+          const void *residual, void *y, int y_bf16, const void *norm_w, int norm_w_bf16, float eps,
+          int threads) {
     const int64_t groups = k / GROUP;
     int8_t *xq = (int8_t *)malloc((size_t)(m * k));
     float(*gc)[4] = (float(*)[4])malloc(sizeof(float[4]) * (size_t)(m * groups));
@@ -199,7 +246,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, const uint8_t *tiles,
             inv_rms[r] = 1.0f / sqrtf(sum / (float)k + eps);
         }
     }
-    quantize_rows(x, x_bf16, m, k, inv_rms, norm_w, norm_w_bf16, xq, gc, threads);
+    quantize_rows(x, x_bf16, m, k, glu, inv_rms, norm_w, norm_w_bf16, xq, gc, threads);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < n / TILE; t++) {
         const uint8_t *tile = tiles + tile_offsets[t];

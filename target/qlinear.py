@@ -3,8 +3,9 @@
 Weights: per group of 32 inputs, int4 where the weights sit on a 16-level grid (GGUF Q4_K: exact)
 and int8 elsewhere (Q6_K tensors, the LM head): 5 and 9 bits per weight with their bf16 scales.
 Activations: int8 per row and group of 32, quantized inside the kernel. One kernel call per linear
-(activation quantization, GEMM, bias and the output cast included), its cost flat from 1 to ~4
-rows, results bitwise independent of the other rows in the batch.
+(the RMSNorm or SiLU-GLU before it, activation quantization, GEMM, bias, the residual add and the
+output cast included), its cost flat from 1 to ~4 rows, results bitwise independent of the other
+rows in the batch.
 
 Output channels come in tiles of 16, each int4 or int8 on its own, so q/k/v and gate/up fuse by
 concatenating tiles whatever format each part took.
@@ -28,6 +29,7 @@ class QLinear(nn.Module):
     """`y = x @ w.T + b` on `qgemm`; see the module docstring for the formats."""
 
     fuses_rmsnorm = True  # forward(x, norm_weight, eps) computes RMSNorm(x) inside the kernel
+    fuses_epilogue = True  # forward(x, residual=, glu=) adds the residual / takes silu(gate) * up
 
     def __init__(
         self, tiles: torch.Tensor, tile_offsets: torch.Tensor, tile_bits: torch.Tensor,
@@ -73,21 +75,30 @@ class QLinear(nn.Module):
         return cls(tiles, offsets, torch.full((t,), bits, dtype=torch.uint8), k, bias)
 
     def forward(
-        self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0
+        self,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+        residual: torch.Tensor | None = None,
+        glu: bool = False,
     ) -> torch.Tensor:
-        """`x [..., K] -> [..., N]`; with `norm_weight [K]`, of `RMSNorm(x)` (fused into the
-        kernel's activation quantization: one call instead of the norm's eight ops)."""
-        x2 = x.reshape(-1, self.in_features)  # [M, K]
+        """`x [..., K] -> [..., N]`, in one kernel call with what is fused into it:
+        `norm_weight [K]`: of `RMSNorm(x)`; `glu`: of `silu(gate) * up` where `x [..., 2K]` is
+        `gate | up`; `residual [..., N]` (x's dtype): `residual + linear(...)`."""
+        k = 2 * self.in_features if glu else self.in_features
+        x2 = x.reshape(-1, k)  # [M, K] (or [M, 2K])
         if x2.dtype not in (torch.bfloat16, torch.float32):
             x2 = x2.float()
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)  # [M, N]
+        if residual is not None:
+            residual = residual.reshape(y.shape).to(y.dtype).contiguous()
         if x2.shape[0]:
             rc = self._lib.qgemm(
-                x2.data_ptr(), x2.dtype == torch.bfloat16, x2.shape[0], self.in_features,
+                x2.data_ptr(), x2.dtype == torch.bfloat16, x2.shape[0], self.in_features, glu,
                 self.tiles.data_ptr(), self.tile_offsets.data_ptr(), self.tile_bits.data_ptr(),
                 self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                y.data_ptr(), y.dtype == torch.bfloat16,
+                None if residual is None else residual.data_ptr(), y.data_ptr(), y.dtype == torch.bfloat16,
                 None if norm_weight is None else norm_weight.data_ptr(),
                 norm_weight is not None and norm_weight.dtype == torch.bfloat16, eps, torch.get_num_threads(),
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,10 +50,26 @@ class RotaryEmbedding(nn.Module):
         signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scaling
         self.register_buffer("signed_sin", signed, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`positions [T]` -> `(cos [T, 1, D], signed_sin [T, 1, D])` in `dtype`, for `apply_rope`."""
-        cos = self.cos[positions].to(dtype).unsqueeze(1)
-        signed_sin = self.signed_sin[positions].to(dtype).unsqueeze(1)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
+        """The rotation of the tokens at `positions [T]`, for a model computing in `dtype`."""
+        return Rotation(positions, self.cos, self.signed_sin, dtype)
+
+
+@dataclass
+class Rotation:
+    """One step's rotary angles: the fp32 tables and the positions indexing them, for kernels that
+    rotate by position themselves, and (`cos_sin`) the rows gathered in the model dtype."""
+
+    positions: torch.Tensor  # [T] int64
+    cos_table: torch.Tensor  # [P, D] fp32
+    signed_sin_table: torch.Tensor  # [P, D] fp32
+    dtype: torch.dtype
+
+    @functools.cached_property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos [T, 1, D], signed_sin [T, 1, D])` in `dtype`, for `apply_rope`."""
+        cos = self.cos_table[self.positions].to(self.dtype).unsqueeze(1)
+        signed_sin = self.signed_sin_table[self.positions].to(self.dtype).unsqueeze(1)
         return cos, signed_sin
 
 

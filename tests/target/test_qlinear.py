@@ -75,6 +75,35 @@ def test_rmsnorm_fused_into_the_kernel_matches_norm_then_linear(dtype):
     assert normed(None, q, x).equal(q(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_glu_fused_into_the_kernel_matches_silu_mul_then_linear(dtype):
+    from specdec.target.model import plus_linear
+
+    q, _ = _linear(True)
+    gate_up = (torch.randn(7, 2 * 96, generator=torch.Generator().manual_seed(8)) * 4).to(dtype)
+    gate_up[0, :96] = torch.tensor([-100.0, 100.0, 0.0] * 32)  # exp over- and underflow
+    fused = q(gate_up, glu=True)
+    gate, up = gate_up.float().chunk(2, -1)
+    expected = reference_qgemm(torch.nn.functional.silu(gate) * up, q)  # silu in fp32, as the kernel
+    assert fused.dtype == dtype and torch.isfinite(fused).all()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(fused.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+    assert torch.equal(fused, torch.cat([q(gate_up[i : i + 1], glu=True) for i in range(7)]))
+    # the torch path of a linear without the fusion computes the same thing
+    dense = torch.nn.Linear(96, 64).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    assert torch.equal(plus_linear(None, dense, gate_up, glu=True), dense(torch.nn.functional.silu(gate) * up))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_added_in_the_kernel_is_bitwise_residual_plus_linear(dtype):
+    q, _ = _linear(False)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(9)).to(dtype)
+    residual = (torch.randn(5, 64, generator=torch.Generator().manual_seed(10)) * 8).to(dtype)
+    assert torch.equal(q(x, residual=residual), residual + q(x))
+    assert torch.equal(residual, (torch.randn(5, 64, generator=torch.Generator().manual_seed(10)) * 8).to(dtype))
+
+
 def test_fused_linear_equals_its_parts_bitwise_whatever_their_formats():
     parts = [_linear(True, n=32, seed=1)[0], _linear(False, n=48, bias=False, seed=2)[0], _linear(True, seed=3)[0]]
     fused = fuse_qlinear(parts)

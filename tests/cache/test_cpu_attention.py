@@ -1,0 +1,117 @@
+"""The CPU attention kernel (`paged_attention.c`): rope, KV write and attention in one call.
+
+Cases come from `test_paged_attention.build_case` (prefill, decode and verify windows over
+interleaved blocks with garbage in the unused slots); the kernel receives the window's q | k | v
+rows and rewrites the window's keys and values itself.
+"""
+
+import pytest
+import torch
+
+from specdec.cache import cpu_attention, paged_attention_ref, write_kv
+from specdec.cache import AttentionMetadata
+from specdec.target.rope import apply_rope
+from tests.cache.test_paged_attention import DECODE, HEAD_DIM, MIXED, build_case, expected_output
+
+pytestmark = pytest.mark.skipif(
+    cpu_attention.load_attention() is None,
+    reason=f"CPU attention kernel unavailable: {cpu_attention.KERNEL.unavailable_reason() or 'build failed'}",
+)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+
+
+def _window_rows(per_seq, meta):
+    """The window's q | k | v rows [T, (Hq + 2 Hkv) * D], as a fused projection lays them out."""
+    rows = []
+    for (q, k, v), query_len in zip(per_seq, meta.query_lens_cpu):
+        seq_len = k.shape[0]
+        new_k, new_v = k[seq_len - query_len :], v[seq_len - query_len :]
+        rows.append(torch.cat([q.flatten(1), new_k.flatten(1), new_v.flatten(1)], dim=1))
+    return torch.cat(rows).contiguous()
+
+
+def _rope_tables(num_positions, head_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.rand(num_positions, head_dim // 2, generator=g) * 6.3
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    return cos.contiguous(), signed_sin.contiguous()
+
+
+def _run(query, cache, meta, per_seq, rope=None):
+    hq, hkv = query.shape[1], cache.layer(0)[0].shape[2]
+    qkv = _window_rows(per_seq, meta)
+    positions = cos = sin = None
+    if rope is not None:
+        positions, cos, sin = rope
+    out = cpu_attention.rope_write_attend(qkv, hq, hkv, positions, cos, sin, *cache.layer(0), meta, HEAD_DIM**-0.5)
+    return out.view(-1, hq, HEAD_DIM), qkv
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("group", [1, 2, 7])
+@pytest.mark.parametrize("windows", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_matches_dense_attention_and_the_reference(block_size, group, windows):
+    query, cache, meta, per_seq = build_case(block_size, group, torch.bfloat16, windows=windows)
+    out, _ = _run(query, cache, meta, per_seq)
+    assert out.dtype == torch.bfloat16 and out.shape == query.shape
+    scale = HEAD_DIM**-0.5
+    torch.testing.assert_close(out.double(), expected_output(per_seq, scale), **BF16_TOL)
+    ref = paged_attention_ref(query, *cache.layer(0), meta, scale)
+    torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
+
+
+def test_rope_and_kv_write_are_bitwise_the_torch_path():
+    """q and k rotated in place, and the cache written, exactly as apply_rope + write_kv do in bf16."""
+    query, cache, meta, per_seq = build_case(4, 2, torch.bfloat16, windows=DECODE)
+    hq, hkv = query.shape[1], 2
+    positions = torch.tensor([p for s, n in DECODE for p in range(s - n, s)], dtype=torch.int64)
+    cos, sin = _rope_tables(200, HEAD_DIM)
+
+    rows = _window_rows(per_seq, meta)
+    qk = rows[:, : (hq + hkv) * HEAD_DIM].view(-1, hq + hkv, HEAD_DIM)
+    rotated = apply_rope(qk, cos[positions].bfloat16().unsqueeze(1), sin[positions].bfloat16().unsqueeze(1))
+    expected_cache = cache.kv.clone()
+    k_ref, v_ref = expected_cache[0, 0], expected_cache[0, 1]
+    v_rows = rows[:, (hq + hkv) * HEAD_DIM :].view(-1, hkv, HEAD_DIM)
+    write_kv(rotated[:, hq:], v_rows, k_ref, v_ref, meta.slot_mapping)
+
+    out, qkv = _run(query, cache, meta, per_seq, rope=(positions, cos, sin))
+    assert torch.equal(qkv[:, : (hq + hkv) * HEAD_DIM].view(-1, hq + hkv, HEAD_DIM), rotated)
+    assert torch.equal(cache.kv, expected_cache)
+    ref = paged_attention_ref(rotated[:, :hq].contiguous(), *cache.layer(0), meta, HEAD_DIM**-0.5)
+    torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch():
+    """Verification of k+1 rows must equal k+1 single-row steps bit for bit (greedy equality)."""
+    query, cache, meta, per_seq = build_case(4, 2, torch.bfloat16, windows=DECODE)
+    together, qkv = _run(query, cache, meta, per_seq)
+    (seq_len, query_len), start = DECODE[1], DECODE[0][1]  # sequence 1: 5 rows after 145 cached
+    for i in range(query_len):  # alone, one row at a time, as five decode steps would see it
+        row = start + i
+        single = AttentionMetadata(
+            slot_mapping=meta.slot_mapping[row : row + 1],
+            block_tables=meta.block_tables[1:2].contiguous(),
+            seq_lens=torch.tensor([seq_len - query_len + i + 1], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+            max_query_len=1,
+            max_seq_len=seq_len - query_len + i + 1,
+            seq_lens_cpu=[seq_len - query_len + i + 1],
+            query_lens_cpu=[1],
+        )
+        out = cpu_attention.rope_write_attend(
+            qkv[row : row + 1].clone(), 4, 2, None, None, None, *cache.layer(0), single, HEAD_DIM**-0.5
+        )
+        assert torch.equal(out.view(4, HEAD_DIM), together[row])
+
+
+def test_bad_indices_are_errors_not_crashes():
+    query, cache, meta, per_seq = build_case(4, 2, torch.bfloat16, windows=DECODE)
+    cos, sin = _rope_tables(16, HEAD_DIM)  # shorter than the positions used
+    positions = torch.tensor([p for s, n in DECODE for p in range(s - n, s)], dtype=torch.int64)
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        _run(query, cache, meta, per_seq, rope=(positions, cos, sin))
+    meta.slot_mapping[0] = 10**9
+    with pytest.raises(ValueError, match="slot is outside the KV cache"):
+        _run(query, cache, meta, per_seq)
