@@ -171,3 +171,23 @@ def test_a_failed_build_falls_back_to_torchs_kernels_with_the_reason(monkeypatch
     assert EngineConfig(dtype="bfloat16", device="cpu").target_quant == "w8a8"
     with pytest.raises(qgemm.KernelUnavailableError, match="building qgemm.c failed"):
         qgemm.require_qgemm()
+
+
+def test_bf16_engine_on_the_c_decode_path_is_greedy_exact(tmp_path, monkeypatch):
+    """bf16 end to end on the C kernels (qgemm with its fusions, rope + KV write + attention):
+    every row is computed independently of the batch, so k+1-row verification agrees exactly
+    with one-row decoding and speculative greedy output equals plain greedy output."""
+    from specdec.cache import cpu_attention
+    from specdec.testing import tiny_hf_model
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    for name, seed, layers in (("target", 0, 2), ("draft", 1, 1)):  # head_dim 32: the kernel's
+        tiny_hf_model("qwen2", seed, num_hidden_layers=layers, **shape).save_pretrained(tmp_path / name)
+    target, draft = (load_model(tmp_path / n, torch.bfloat16, quant="w4a8") for n in ("target", "draft"))
+    calls = []
+    real = cpu_attention.rope_write_attend
+    monkeypatch.setattr(cpu_attention, "rope_write_attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    speculative, plain = speculative_and_plain_greedy(target, draft, dtype="bfloat16")
+    assert calls, "the C attention path did not run"
+    assert speculative == plain

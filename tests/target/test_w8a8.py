@@ -45,13 +45,13 @@ def prompt_logits(model, ids: list[int]) -> torch.Tensor:
     return runner.forward([Window(table, ids, len(ids))])
 
 
-def speculative_and_plain_greedy(target, draft) -> tuple[list[list[int]], list[list[int]]]:
-    """Greedy outputs of three prompts in fp32, with a draft at fixed k = 4 and without one."""
+def speculative_and_plain_greedy(target, draft, dtype="float32") -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy outputs of three prompts, with a draft at fixed k = 4 and without one."""
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [30, 31], [100, 101, 102, 103, 104, 105, 106]]
 
     def run(**kw):
-        config = EngineConfig(dtype="float32", num_blocks=64, block_size=4, adaptive_k=False, **kw)
+        config = EngineConfig(dtype=dtype, num_blocks=64, block_size=4, adaptive_k=False, **kw)
         return [o.token_ids for o in Engine.from_models(config, target, draft).generate(prompts, greedy)]
 
     return run(proposer="draft", num_speculative_tokens=4), run(proposer="none")
