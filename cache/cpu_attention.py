@@ -19,7 +19,7 @@ from specdec import native
 from .metadata import AttentionMetadata
 
 KERNEL = native.NativeKernel(
-    Path(__file__).with_name("paged_attention.c"),
+    (Path(__file__).with_name("paged_attention.c"),),
     flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
     cpu_flags=("avx512f", "avx512bw", "avx512dq", "avx512vl"),
 )
@@ -90,11 +90,11 @@ def rope_write_attend(
         head_dim, scale, out.data_ptr(), torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(_ERRORS.get(rc, f"rope_write_attend failed ({rc})"))
+        raise ValueError(ERRORS.get(rc, f"rope_write_attend failed ({rc})"))
     return out
 
 
-_ERRORS = {
+ERRORS = {
     -1: "a position is outside the rotary table",
     -2: "a slot is outside the KV cache",
     -3: "a block table entry is outside the KV cache",

@@ -1,6 +1,7 @@
 """Build specdec's C kernels for this CPU once, and load them with ctypes.
 
-A kernel is one plain C source with AVX-512 intrinsics (`target/qgemm.c`, `cache/paged_attention.c`).
+A kernel is a library of plain C sources with AVX-512 intrinsics (`target/qgemm.c` with
+`target/decoder.c`, `cache/paged_attention.c`).
 It is compiled with the system C compiler into `<cache>/kernels` (~2 s, once), keyed on the source,
 the flags and the compiler version, then loaded with ctypes, which releases the GIL during calls.
 OpenMP resolves to the runtime torch already loaded, so kernels and torch share one thread pool.
@@ -26,9 +27,10 @@ BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-fPIC", "-shared")
 
 @dataclass(frozen=True)
 class NativeKernel:
-    """One C source, the compiler flags it needs and the CPU flags (`/proc/cpuinfo`) it runs on."""
+    """C sources built into one library, the compiler flags they need and the CPU flags
+    (`/proc/cpuinfo`) they run on."""
 
-    source: Path
+    sources: tuple[Path, ...]
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
 
@@ -41,7 +43,7 @@ class NativeKernel:
 
     def command(self, out: str) -> str:
         """The build command, for error messages."""
-        return " ".join([compiler() or "cc", *BASE_FLAGS, *self.flags, str(self.source), "-o", out])
+        return " ".join([compiler() or "cc", *BASE_FLAGS, *self.flags, *map(str, self.sources), "-o", out])
 
     def build(self) -> Path:
         """Compile into the cache folder unless this source, flags and compiler are already there."""
@@ -50,15 +52,16 @@ class NativeKernel:
         cc = compiler()
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
         flags = [*BASE_FLAGS, *self.flags]
-        key = hashlib.sha256("|".join([self.source.read_text(), " ".join(flags), version]).encode())
-        path = cache_dir() / "kernels" / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
+        texts = [p.read_text() for p in self.sources]
+        key = hashlib.sha256("|".join([*texts, " ".join(flags), version]).encode())
+        path = cache_dir() / "kernels" / f"{self.sources[0].stem}-{key.hexdigest()[:16]}.so"
         if path.is_file():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
         os.close(fd)
         try:
-            subprocess.run([cc, *flags, str(self.source), "-o", tmp], check=True, capture_output=True)
+            subprocess.run([cc, *flags, *map(str, self.sources), "-o", tmp], check=True, capture_output=True)
             os.chmod(tmp, 0o755)
             os.replace(tmp, path)  # atomic: concurrent builders race harmlessly
         finally:

@@ -14,6 +14,7 @@ from torch import nn
 
 from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention, paged_attention, write_kv
 from specdec.target.config import ModelConfig
+from specdec.target.decoder_stack import NativeDecoderStack
 from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope
 
 MAX_ROPE_POSITIONS = 32768
@@ -167,6 +168,18 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_pos)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._native_layers: NativeDecoderStack | None = None  # see use_native_layers
+
+    def use_native_layers(self) -> bool:
+        """Run the decoder layers from C from now on where they fit (`NativeDecoderStack`:
+        bitwise the Python loop, without its overhead); returns whether they do. Snapshots the
+        layers' buffers: call it after the last change to the weights (the runner does)."""
+        self._native_layers = NativeDecoderStack.build(self)
+        return self._native_layers is not None
+
+    def _apply(self, fn, *args, **kwargs):
+        self._native_layers = None  # .to(), .float(), ...: the snapshot would point at old buffers
+        return super()._apply(fn, *args, **kwargs)
 
     @property
     def max_positions(self) -> int:
@@ -183,6 +196,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         rotation = self.rotary(positions, h.dtype)
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, rotation, kv_cache, i, meta)
+        native = self._native_layers
+        if native is None or not native.run(h, rotation, kv_cache, meta):  # run: h in place
+            for i, layer in enumerate(self.model.layers):
+                h = layer(h, rotation, kv_cache, i, meta)
         return normed(self.model.norm, self.lm_head, h[logits_indices]).float()  # [R, V]

@@ -1,4 +1,5 @@
-"""Build and load the group-quantized GEMM kernel (`qgemm.c`) for this CPU (see `specdec.native`).
+"""Build and load the group-quantized GEMM kernel (`qgemm.c`, with the decoder-layer loop of
+`decoder.c` that calls it) for this CPU (see `specdec.native`).
 
 Where there is no compiler, no AVX-512 VNNI, or `SPECDEC_NO_KERNELS=1` is set, `load_qgemm()`
 returns None and the engine keeps torch's kernels (`"w8a8"`).
@@ -13,7 +14,7 @@ from specdec import native
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 KERNEL = native.NativeKernel(
-    SOURCE,
+    (SOURCE, Path(__file__).with_name("decoder.c")),
     flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
     cpu_flags=("avx512f", "avx512bw", "avx512_vnni"),
 )
@@ -22,6 +23,9 @@ SIGNATURES = {
     # x, x_bf16, m, k, glu, tiles, tile_offsets, tile_bits, n, bias, residual, y, y_bf16,
     # norm_w, norm_w_bf16, eps, threads
     "qgemm": [_P, _I, _I64, _I64, _I, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I, _F, _I],
+    # h, num_rows, layers, num_layers, norm_bf16, eps, attention, attend, scale, qkv, att,
+    # gate_up, threads
+    "decoder_layers": [_P, _I64, _P, _I64, _I, _F, _P, _P, _F, _P, _P, _P, _I],
 }
 
 

@@ -32,6 +32,7 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.pool = BlockPool(kv_cache.num_blocks)
         self.device = next(model.parameters()).device
+        model.use_native_layers()  # the weights are final here: run the layers from C where they fit
 
     @staticmethod
     def kv_spec(
