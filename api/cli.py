@@ -20,12 +20,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft model; hybrid: prompt lookup where a 2-gram repeats, else the draft "
                         "model; ngram: prompt lookup only (no model)")
     g.add_argument("--no-speculation", action="store_true", help="plain target-only decoding")
-    g.add_argument("-k", "--num-speculative-tokens", type=int, default=8,
-                   help="most draft tokens per step (exactly this many with --fixed-k)")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                   help="most draft tokens per step (exactly this many with --fixed-k; default: "
+                        f"{EngineConfig.num_speculative_tokens})")
     g.add_argument("--fixed-k", action="store_true",
                    help="always draft k tokens instead of choosing k per step from measured costs "
                         "and acceptance (makes seeded sampling reproducible token for token)")
-    g.add_argument("--draft-stop-confidence", type=float, default=0.5, metavar="P",
+    g.add_argument("--draft-stop-confidence", type=float, default=EngineConfig.draft_stop_confidence, metavar="P",
                    help="with adaptive k, a sequence stops drafting once the draft's probability "
                         "of its drafts so far falls below P (0: never)")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
