@@ -56,17 +56,22 @@ class NativeDecoderStack:
         runs): q/k/v and gate/up fused, all four linears `QLinear`, RMSNorm weights of one dtype
         (bf16 or fp32) and eps, head_dim a multiple of 32, and the kernels built."""
         layers = getattr(getattr(model, "model", None), "layers", None)
-        if not layers or (lib := load_qgemm()) is None or cpu_attention.load_attention() is None:
+        if not layers:
             return None
         norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        fits = all(
-            all(isinstance(m, QLinear) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                 layer.mlp.gate_up_proj, layer.mlp.down_proj))
-            for layer in layers
-        ) and len({(n.weight.dtype, n.eps) for n in norms}) == 1 and norms[0].weight.dtype in (
-            torch.bfloat16, torch.float32
-        ) and layers[0].self_attn.head_dim % 32 == 0
-        return cls(model, lib) if fits else None
+        fits = (
+            all(
+                isinstance(m, QLinear)
+                for layer in layers
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            )
+            and len({(n.weight.dtype, n.eps) for n in norms}) == 1
+            and norms[0].weight.dtype in (torch.bfloat16, torch.float32)
+            and layers[0].self_attn.head_dim % 32 == 0
+        )
+        if not fits or (lib := load_qgemm()) is None or cpu_attention.load_attention() is None:
+            return None
+        return cls(model, lib)
 
     def run(self, h: torch.Tensor, rotation: Rotation, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """Run every layer on `h [T, hidden]` in place; False (nothing done) where this step

@@ -181,6 +181,9 @@ class LlamaForCausalLM(nn.Module):
         self._native_layers = None  # .to(), .float(), ...: the snapshot would point at old buffers
         return super()._apply(fn, *args, **kwargs)
 
+    def __getstate__(self):  # copies and pickles leave the snapshot behind (it points at our buffers)
+        return {**super().__getstate__(), "_native_layers": None}
+
     @property
     def max_positions(self) -> int:
         return self.rotary.cos.shape[0]

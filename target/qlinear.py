@@ -43,6 +43,13 @@ class QLinear(nn.Module):
         self.in_features, self.out_features = in_features, TILE * tile_bits.numel()
         self._lib = require_qgemm()
 
+    def __getstate__(self):  # the ctypes library cannot be copied or pickled: reload it instead
+        return {k: v for k, v in super().__getstate__().items() if k != "_lib"}
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._lib = require_qgemm()
+
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
         """Whether `weight [N, K]` fills whole tiles and groups (N % 16 == K % 32 == 0)."""

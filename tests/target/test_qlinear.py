@@ -220,6 +220,12 @@ def test_c_layer_loop_is_bitwise_the_python_layer_loop(tmp_path, monkeypatch):
 
     for native, python in zip(steps(True), steps(False)):
         assert torch.equal(native, python)
-    target.use_native_layers()
+    import copy
+
+    assert target.use_native_layers()
+    twin = copy.deepcopy(target)
+    assert twin._native_layers is None  # a copy's buffers are elsewhere
+    ids = list(range(3, 20))
+    assert torch.equal(prompt_logits(twin, ids), prompt_logits(target, ids))
     target.float()  # .to() and friends replace buffers: the snapshot must go with them
     assert target._native_layers is None
