@@ -178,19 +178,45 @@ def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
     prefetchers stop at each page boundary and the TLB misses. 2 MiB pages made the target's GEMMs
     ~7% faster here. Costs one copy at load.
     """
-    if not sys.platform.startswith("linux") or t.numel() * t.element_size() < _HUGE_PAGE:
+    buf = _huge_page_buffer(t.numel() * t.element_size())
+    if buf is None:
         return t
-    n = t.numel() * t.element_size()
+    buf.copy_(t.reshape(-1).view(torch.uint8))  # first touch: the pages fault in huge
+    return buf.view(t.dtype).view(t.shape)
+
+
+def _huge_page_buffer(n: int) -> torch.Tensor | None:
+    """`n` uninitialized bytes, 2 MiB aligned and advised for huge pages; None where that is not
+    possible or not worth it (under 2 MiB). The pages fault in (huge) on first write."""
+    if not sys.platform.startswith("linux") or n < _HUGE_PAGE:
+        return None
     buf = torch.empty(n + _HUGE_PAGE, dtype=torch.uint8)
     start = (-buf.data_ptr()) % _HUGE_PAGE
-    out = buf[start : start + n]
     libc = ctypes.CDLL(None, use_errno=True)
     length = (n + _HUGE_PAGE - 1) // _HUGE_PAGE * _HUGE_PAGE
     length = min(length, buf.numel() - start) // 4096 * 4096
     if libc.madvise(ctypes.c_void_p(buf.data_ptr() + start), ctypes.c_size_t(length), _MADV_HUGEPAGE) != 0:
-        return t
-    out.copy_(t.reshape(-1).view(torch.uint8))  # first touch: the pages fault in huge
-    return out.view(t.dtype).view(t.shape)
+        return None
+    return buf[start : start + n]
+
+
+def pack_tiles(modules: list[QLinear]) -> None:
+    """Move the modules' tiles into one arena on huge pages (`to_huge_pages`), end to end in the
+    given order: the order a forward reads them, so one stream runs through the whole model and
+    matrices under 2 MiB (a draft's q/k/v and o) get huge pages too. A/B on the default draft:
+    a forward 11.5 -> 11.0 ms for 1 row, 16.1 -> 15.4 ms for 5."""
+    if not modules:
+        return
+    sizes = [m.tiles.numel() for m in modules]
+    starts, end = [], 0
+    for size in sizes:
+        starts.append(end)
+        end += -(-size // 64) * 64  # cache-line aligned
+    arena = _huge_page_buffer(end)
+    arena = torch.empty(end, dtype=torch.uint8) if arena is None else arena
+    for m, start, size in zip(modules, starts, sizes):  # the first touch, in the arena's order
+        arena[start : start + size].copy_(m.tiles)
+        m.tiles = arena[start : start + size]
 
 
 def dequantize(module: QLinear) -> torch.Tensor:
