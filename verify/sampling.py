@@ -81,10 +81,17 @@ def sample(
         raise ValueError(f"got {len(generators)} generators for {probs.shape[0]} rows")
     if greedy:
         return probs.argmax(dim=-1)
-    uniform = torch.rand(probs.shape, device=probs.device)  # [R, V] in [0, 1)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            uniform[row].uniform_(generator=generator)
+    uniform = torch.empty(probs.shape, device=probs.device)  # [R, V] in [0, 1)
+    unseeded = [row for row, generator in enumerate(generators) if generator is None]
+    if len(unseeded) == len(generators):
+        uniform.uniform_()
+    else:
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                uniform[row].uniform_(generator=generator)
+        if unseeded:  # one batched draw for the rest (each row's V uniforms cost ~0.4 ms on a CPU)
+            rows = torch.tensor(unseeded, device=probs.device)
+            uniform.index_copy_(0, rows, torch.rand(len(unseeded), probs.shape[1], device=probs.device))
     # log U = -E with E ~ Exp(1), so argmax(w / E) = argmin(w / log U). Clamping U away from 0
     # keeps every E finite: an infinite E would tie a real token with the zero weights.
     log_uniform = uniform.clamp_(min=_TINY).log_()  # [R, V], all < 0
