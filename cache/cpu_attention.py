@@ -84,6 +84,9 @@ def rope_write_attend(
     assert qkv.shape == (meta.num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim), qkv.shape
     out = qkv.new_empty(qkv.shape[0], num_q_heads * head_dim)
     rope = positions is not None
+    if rope and not (positions.dtype == torch.int64 and cos.dtype == signed_sin.dtype == torch.float32
+                     and positions.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous()):
+        raise ValueError("rope needs contiguous int64 positions and fp32 cos / signed_sin tables")
     lib = meta.scratch.get("cpu_attention_lib") or load_attention()
     rc = lib.rope_write_attend(
         qkv.data_ptr(), qkv.shape[1],

@@ -92,6 +92,8 @@ class QLinear(nn.Module):
         """`x [..., K] -> [..., N]`, in one kernel call with what is fused into it:
         `norm_weight [K]`: of `RMSNorm(x)`; `glu`: of `silu(gate) * up` where `x [..., 2K]` is
         `gate | up`; `residual [..., N]` (x's dtype): `residual + linear(...)`."""
+        if glu and norm_weight is not None:
+            raise ValueError("the kernel fuses either an RMSNorm or a SiLU-GLU before a linear, not both")
         k = 2 * self.in_features if glu else self.in_features
         x2 = x.reshape(-1, k)  # [M, K] (or [M, 2K])
         if x2.dtype not in (torch.bfloat16, torch.float32):
