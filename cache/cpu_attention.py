@@ -88,6 +88,9 @@ def rope_write_attend(
                      and positions.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous()):
         raise ValueError("rope needs contiguous int64 positions and fp32 cos / signed_sin tables")
     lib = meta.scratch.get("cpu_attention_lib") or load_attention()
+    if lib is None:
+        reason = KERNEL.unavailable_reason() or f"its build failed (run it by hand: {KERNEL.command('x.so')})"
+        raise RuntimeError(f"the CPU attention kernel cannot run here: {reason}")
     rc = lib.rope_write_attend(
         qkv.data_ptr(), qkv.shape[1],
         positions.data_ptr() if rope else None, cos.data_ptr() if rope else None,

@@ -11,7 +11,7 @@ import torch
 from specdec.cache import cpu_attention, paged_attention_ref, write_kv
 from specdec.cache import AttentionMetadata
 from specdec.target.rope import apply_rope
-from tests.cache.test_paged_attention import DECODE, HEAD_DIM, MIXED, build_case, expected_output
+from tests.cache.test_paged_attention import DECODE, FP8, HEAD_DIM, MIXED, build_case, expected_output
 
 pytestmark = pytest.mark.skipif(
     cpu_attention.load_attention() is None,
@@ -115,3 +115,22 @@ def test_bad_indices_are_errors_not_crashes():
     meta.slot_mapping[0] = 10**9
     with pytest.raises(ValueError, match="slot is outside the KV cache"):
         _run(query, cache, meta, per_seq)
+
+
+def test_without_the_kernel_the_model_keeps_sdpa_and_a_direct_call_says_why(monkeypatch):
+    query, cache, meta, per_seq = build_case(4, 2, torch.bfloat16, windows=DECODE)
+    monkeypatch.setenv("SPECDEC_NO_KERNELS", "1")
+    assert not cpu_attention.supports(meta, query, cache.layer(0)[0], 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="SPECDEC_NO_KERNELS=1"):
+        _run(query, cache, meta, per_seq)
+
+
+def test_prefill_windows_stay_on_sdpa():
+    query, cache, meta, _ = build_case(4, 2, torch.bfloat16, windows=[(100, 100), (50, 1)])
+    assert meta.max_query_len > cpu_attention.MAX_QUERY_LEN
+    assert not cpu_attention.supports(meta, query, cache.layer(0)[0], 1.0, 1.0)
+    _, cache, meta, _ = build_case(4, 2, torch.bfloat16, windows=DECODE)
+    assert cpu_attention.supports(meta, query, cache.layer(0)[0], 1.0, 1.0)
+    assert not cpu_attention.supports(  # decided once per forward: a fresh step decides again
+        build_case(4, 2, torch.bfloat16, FP8, 0.5, windows=DECODE)[2], query, cache.layer(0)[0].to(FP8), 0.5, 0.5
+    )
