@@ -1,7 +1,7 @@
 """Build specdec's C kernels for this CPU once, and load them with ctypes.
 
 A kernel is a library of plain C sources with AVX-512 intrinsics (`target/qgemm.c` with
-`target/decoder.c`, `cache/paged_attention.c`).
+`target/decoder.c`, `cache/paged_attention.c`), sharing the helpers of `avx512_common.h`.
 It is compiled with the system C compiler into `<cache>/kernels` (~2 s, once), keyed on the source,
 the flags and the compiler version, then loaded with ctypes, which releases the GIL during calls.
 OpenMP resolves to the runtime torch already loaded, so kernels and torch share one thread pool.
@@ -22,7 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-fPIC", "-shared")
+COMMON_HEADER = Path(__file__).with_name("avx512_common.h")  # included by every kernel
+BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-fPIC", "-shared", f"-I{COMMON_HEADER.parent}")
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class NativeKernel:
         cc = compiler()
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
         flags = [*BASE_FLAGS, *self.flags]
-        texts = [p.read_text() for p in self.sources]
+        texts = [p.read_text() for p in (*self.sources, COMMON_HEADER)]
         key = hashlib.sha256("|".join([*texts, " ".join(flags), version]).encode())
         path = cache_dir() / "kernels" / f"{self.sources[0].stem}-{key.hexdigest()[:16]}.so"
         if path.is_file():

@@ -192,8 +192,8 @@ def fuse_int4(parts: list[nn.Module]) -> Int4Linear | None:
 def prepare_quantized(model: nn.Module) -> None:
     """Fuse q/k/v and gate/up where `fuse_int8`, `fuse_int4` or `fuse_qlinear` can: fewer, larger
     GEMMs, ~85 fewer calls per forward for a 28-layer model. Move `QLinear` tiles into one arena
-on huge pages.
-    Then pack every `Int8Linear` for fbgemm now (two threads: packing is ~60 ms per 14M weights)."""
+    on huge pages. Then pack every `Int8Linear` for fbgemm now (two threads: packing is ~60 ms per
+    14M weights)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from specdec.target.qlinear import QLinear, fuse_qlinear, pack_tiles

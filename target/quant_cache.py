@@ -41,10 +41,7 @@ def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
 
 def save_quantized(model: LlamaForCausalLM, path: Path) -> None:
     """Write the model's state dict and quantization manifest atomically."""
-    manifest = {
-        name: linear_kind(m)
-        for name, m in model.named_modules() if isinstance(m, (Int4Linear, Int8Linear, QLinear))
-    }
+    manifest = {name: kind for name, m in model.named_modules() if (kind := linear_kind(m)) != "dense"}
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

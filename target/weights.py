@@ -76,11 +76,10 @@ def _calibration_ids(model_dir: Path) -> list[int]:
 
 def _cast_dense(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast every parameter outside the quantized linears (they keep their scales and bias)."""
-    from specdec.target.qlinear import QLinear
-    from specdec.target.quant import Int4Linear, Int8Linear
+    from specdec.target.quant import linear_kind
 
     for module in model.modules():
-        if isinstance(module, (Int4Linear, Int8Linear, QLinear)):
+        if linear_kind(module) != "dense":
             continue
         for name, param in module.named_parameters(recurse=False):
             setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
