@@ -181,7 +181,7 @@ class AsyncEngine:
             for command in commands:
                 self._apply(engine, command)
             deltas = engine.step() if engine.has_unfinished() else []
-            stalled = engine.has_unfinished() and not deltas
+            stalled = engine.has_unfinished() and not getattr(engine, "num_scheduled", deltas)
             self._dispatch(engine, deltas)
             self._publish(engine)
 

@@ -1,7 +1,7 @@
 """Paged KV cache: block pool, block tables, KV tensors, attention metadata and paged attention."""
 
 from .attention import paged_attention, paged_attention_ref, write_kv
-from .block_pool import BlockPool, NoFreeBlocksError
+from .block_pool import BlockKey, BlockPool, NoFreeBlocksError, PrefixCacheStats, block_key
 from . import cpu_attention
 from .block_table import BlockTable
 from .kv_cache import KVCacheSpec, PagedKVCache
@@ -10,7 +10,10 @@ from .triton_attention import paged_attention_triton, triton_available
 
 __all__ = [
     "AttentionMetadata",
+    "BlockKey",
     "BlockPool",
+    "PrefixCacheStats",
+    "block_key",
     "BlockTable",
     "KVCacheSpec",
     "NoFreeBlocksError",

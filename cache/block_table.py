@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .block_pool import BlockPool, NoFreeBlocksError
+from .block_pool import BlockKey, BlockPool, NoFreeBlocksError, block_key
 
 
 class BlockTable:
@@ -12,14 +12,21 @@ class BlockTable:
     the ``[N * S]`` cache is ``block_ids[p // S] * S + p % S``. ``num_computed`` counts the tokens
     whose KV has been written; the model runner advances it after a forward, rollback lowers it
     with ``truncate``.
+
+    Prefix caching: ``match_prefix`` starts a table on the pool's cached blocks for the longest
+    known prefix; ``cache_full_blocks`` offers the pool every block whose tokens are all written
+    and final. Both make those blocks *frozen*: the first ``num_frozen_tokens`` positions are never
+    written again (other tables may share them), so rollback never goes below them.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, salt: str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.pool = pool
         self.block_size = block_size
+        self.salt = salt
         self.block_ids: list[int] = []
+        self.block_keys: list[BlockKey] = []  # keys of the frozen blocks block_ids[:len(block_keys)]
         self.num_computed = 0
 
     def __repr__(self) -> str:
@@ -27,6 +34,11 @@ class BlockTable:
             f"BlockTable(block_size={self.block_size}, num_computed={self.num_computed}, "
             f"block_ids={self.block_ids})"
         )
+
+    @property
+    def num_frozen_tokens(self) -> int:
+        """Positions held in frozen (cached, possibly shared) blocks: never written again."""
+        return len(self.block_keys) * self.block_size
 
     @property
     def capacity(self) -> int:
@@ -75,6 +87,11 @@ class BlockTable:
         """
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens < self.num_frozen_tokens:
+            raise ValueError(
+                f"cannot roll back to {num_tokens} tokens: the first {self.num_frozen_tokens} are in "
+                "frozen (cached) blocks"
+            )
         self.num_computed = min(self.num_computed, num_tokens)
         num_keep = -(-num_tokens // self.block_size)
         if num_keep < len(self.block_ids):
@@ -93,8 +110,55 @@ class BlockTable:
         size, ids = self.block_size, self.block_ids
         return [ids[p // size] * size + p % size for p in range(start, end)]
 
+    def match_prefix(self, token_ids: list[int], max_tokens: int) -> int:
+        """Start an empty table on the pool's cached blocks for the longest cached prefix of
+        ``token_ids``, whole blocks only and at most ``max_tokens`` tokens (a caller that needs
+        logits keeps at least its last token out). Returns the tokens reused (``num_computed``).
+
+        >>> pool = BlockPool(4); a = BlockTable(pool, block_size=2); a.ensure_slots(5)
+        True
+        >>> a.num_computed = 5; a.cache_full_blocks([7, 8, 9, 10, 11])   # 2 full blocks cached
+        >>> b = BlockTable(pool, block_size=2)
+        >>> b.match_prefix([7, 8, 9, 10, 12], max_tokens=4), b.block_ids == a.block_ids[:2]
+        (4, True)
+        """
+        if self.block_ids:
+            raise ValueError("match_prefix starts an empty table")
+        parent: BlockKey | None = None
+        for i in range(min(max_tokens, len(token_ids)) // self.block_size):
+            key = self._key(parent, token_ids, i)
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            self.pool.acquire(block_id)
+            self.block_ids.append(block_id)
+            self.block_keys.append(key)
+            parent = key
+        self.num_computed = self.num_frozen_tokens
+        self.pool.stats.queried_tokens += len(token_ids)
+        self.pool.stats.hit_tokens += self.num_computed
+        return self.num_computed
+
+    def cache_full_blocks(self, token_ids: list[int]) -> None:
+        """Offer the pool every block whose positions are all written (``< num_computed``) with
+        the final ``token_ids``; they become frozen. The caller guarantees that the KV below
+        ``num_computed`` belongs to ``token_ids`` (after rollback, never to rejected drafts)."""
+        if not self.pool.enable_caching:
+            return
+        num_full = min(self.num_computed, len(token_ids)) // self.block_size
+        for i in range(len(self.block_keys), num_full):
+            key = self._key(self.block_keys[-1] if self.block_keys else None, token_ids, i)
+            self.pool.register(self.block_ids[i], key)
+            self.block_keys.append(key)
+
+    def _key(self, parent: BlockKey | None, token_ids: list[int], i: int) -> BlockKey:
+        size = self.block_size
+        return block_key(parent, token_ids[i * size : (i + 1) * size], self.salt if i == 0 else None)
+
     def free(self) -> None:
-        """Return every block to the pool and forget all written tokens."""
-        self.pool.free(self.block_ids)
+        """Return every block to the pool (last first, so a cached tail is evicted before its
+        prefix) and forget all written tokens."""
+        self.pool.free(reversed(self.block_ids))
         self.block_ids = []
+        self.block_keys = []
         self.num_computed = 0

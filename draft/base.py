@@ -47,6 +47,7 @@ class DraftSequence(Protocol):
 
     token_ids: list[int]
     draft_table: BlockTable | None
+    num_draft_fill: int  # tokens to feed the draft cache beside a prefill chunk this step
 
 
 @dataclass
@@ -63,6 +64,10 @@ class Proposer(Protocol):
     """Proposes up to `num_draft[b]` tokens for each sequence b."""
 
     pool: BlockPool | None  # the proposer's own KV pool, if it has one
+
+    def fill(self, seqs: list[DraftSequence]) -> None:
+        """Feed prefill chunks to the proposer's cache (`num_draft_fill` tokens per sequence)."""
+        ...
 
     def propose(
         self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors

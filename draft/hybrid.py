@@ -50,6 +50,9 @@ class HybridProposer:
     def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
         return self.model.draft_slots_needed(num_tokens, num_draft)
 
+    def fill(self, seqs: list[DraftSequence]) -> None:
+        self.model.fill(seqs)
+
     def propose(
         self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors,
         lookup_limits: list[int] | None = None,

@@ -47,6 +47,18 @@ class DraftModelProposer:
         return num_tokens + num_draft - 1 if num_draft > 0 else 0
 
     @torch.inference_mode()
+    def fill(self, seqs: list[DraftSequence]) -> None:
+        """Feed each sequence's `num_draft_fill` next tokens to the draft cache (prefill chunks
+        that ride beside the target's; no logits). One forward for all of them."""
+        windows = []
+        for seq in seqs:
+            if seq.num_draft_fill:
+                start = seq.draft_table.num_computed
+                windows.append(Window(seq.draft_table, seq.token_ids[start : start + seq.num_draft_fill], 0))
+        if windows:
+            self.runner.forward(windows)
+
+    @torch.inference_mode()
     def propose(
         self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
     ) -> DraftOutput:

@@ -27,6 +27,9 @@ class NgramProposer:
     def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
         return 0
 
+    def fill(self, seqs: list[DraftSequence]) -> None:
+        """No cache to fill."""
+
     def propose(
         self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
     ) -> DraftOutput:

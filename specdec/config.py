@@ -36,6 +36,15 @@ class EngineConfig:
     num_blocks: int | None = None  # overrides the memory budget (both pools get this many)
     max_num_seqs: int = 16
     max_model_len: int | None = None
+    # Automatic prefix caching in both pools: full blocks keyed by their token prefix, kept after
+    # their request ends, evicted least recently used when a block is needed.
+    enable_prefix_caching: bool = True
+    # Chunked prefill. While any sequence is decoding, a step's target forward carries at most
+    # this many tokens (decode and verify rows included; a prefill chunk takes what is left, at
+    # least MIN_PREFILL_CHUNK), so no running stream waits for a whole prompt. See README.
+    max_num_batched_tokens: int = 64
+    # With nothing decoding, prompts are prefilled in chunks of up to this many tokens.
+    max_prefill_chunk: int = 2048
     # CPU quantization; None picks per model. On the CPU in bfloat16, where specdec's AVX-512 VNNI
     # kernel runs (`target.qgemm`), the target takes "w4a8-auto" (GGUF Q4_K tensors stay exactly
     # int4, the rest int8, activations int8 per group of 32: 1.4-1.5x faster than "w8a8" for one
@@ -81,6 +90,11 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_gib must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1 or self.max_prefill_chunk < 1:
+            raise ValueError(
+                "max_num_batched_tokens and max_prefill_chunk must be positive, got "
+                f"{self.max_num_batched_tokens} and {self.max_prefill_chunk}"
+            )
 
     @property
     def uses_draft_model(self) -> bool:

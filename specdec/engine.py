@@ -13,7 +13,7 @@ from specdec.adaptive import SpeculationPolicy
 from specdec.config import EngineConfig
 from specdec.draft import DraftModelProposer, HybridProposer, NgramProposer, Proposer, SamplingTensors
 from specdec.sampling_params import SamplingParams
-from specdec.scheduler import Scheduler
+from specdec.scheduler import ChunkBudget, Scheduler
 from specdec.sequence import RequestOutput, Sequence, SequenceStatus, StepDelta, TokenOrigin
 from specdec.stopping import StopChecker
 from specdec.target.runner import ModelRunner, Window
@@ -70,7 +70,12 @@ class Engine:
             draft_pool, draft_runner.block_size if draft_runner is not None else 1,
             config.max_num_seqs, self.max_model_len,
             self.proposer.draft_slots_needed if self.proposer is not None else (lambda n, k: 0),
+            ChunkBudget(config.max_num_batched_tokens, config.max_prefill_chunk),
         )
+        for pool in (self.target.pool, draft_pool):
+            if pool is not None:
+                pool.enable_caching = config.enable_prefix_caching
+        self.num_scheduled = 0  # sequences the latest step ran (a step may emit nothing: prefill chunks)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -103,8 +108,12 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None,
         request_id: str | None = None, num_speculative_tokens: int | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for prompts that can never run."""
+        """Queue a request; returns its id. Raises ValueError for prompts that can never run.
+
+        Requests share cached prompt prefixes unless their `cache_salt`s differ (vLLM's
+        extension: a tenant that must not share KV with others passes its own salt)."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -124,6 +133,7 @@ class Engine:
         if request_id in self._sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, k if self.proposer else 0, next(self._counter))
+        seq.cache_salt = cache_salt
         if params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
         seq.detokenizer = StopChecker(self.tokenizer, token_ids, params)
@@ -147,20 +157,36 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[StepDelta]:
-        """One speculative step for every scheduled sequence; returns what each one emitted."""
-        seqs = self.scheduler.schedule()
+        """One speculative step for every scheduled sequence; returns what each one emitted.
+
+        Sequences whose prefill chunk stops short of the prompt's end (`fills_only`) ride in the
+        same target forward as the others' verify windows and emit nothing this step.
+        """
+        scheduled = self.scheduler.schedule()
+        self.num_scheduled = len(scheduled)
+        if not scheduled:
+            return []
+        fills = [s for s in scheduled if s.fills_only]
+        seqs = [s for s in scheduled if not s.fills_only]
+        if self.proposer is not None:
+            self.proposer.fill(scheduled)  # the draft's cache takes the same prompt stretch
+        fill_windows = [self._fill_window(s) for s in fills]
         if not seqs:
+            self.target.forward(fill_windows)
+            self._cache_full_blocks(fills)
             return []
         sampling = self._sampling_tensors(seqs)
-        ks, caps = self._choose_k(seqs)
+        fill_rows = sum(s.num_new_tokens for s in fills)
+        ks, caps = self._choose_k(seqs, fill_rows)
         num_draft, draft_ids, draft_probs, model_rows = self._propose(seqs, ks, caps, sampling)
         windows = [self._verify_window(s, draft_ids[b, : num_draft[b]]) for b, s in enumerate(seqs)]
-        decode_only = all(s.num_tokens - s.target_table.num_computed == 1 for s in seqs)
         start = time.perf_counter()
-        logits = self.target.forward(windows)  # [sum(n_b + 1), V]
-        if self.policy is not None and decode_only:
+        logits = self.target.forward(windows + fill_windows)  # [sum(n_b + 1), V]
+        if self.policy is not None:
             self._sync()
-            self.policy.verify_cost.observe(logits.shape[0], time.perf_counter() - start)
+            rows = sum(len(w.token_ids) for w in windows) + fill_rows
+            self.policy.verify_cost.observe(rows, time.perf_counter() - start)
+        self._cache_full_blocks(fills)
         counts = [n + 1 for n in num_draft]
         rows = sampling.repeat(counts)
         target_probs = _pad_rows(warp_probs(logits, rows.temperature, rows.top_k, rows.top_p), counts)
@@ -176,8 +202,23 @@ class Engine:
             self._commit(s, token_rows[b], accepted[b], num_draft[b]) for b, s in enumerate(seqs)
         ]
 
-    def _choose_k(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """This step's k per sequence (the policy's pick) and its cap (what slots allow)."""
+    @staticmethod
+    def _fill_window(seq: Sequence) -> Window:
+        """The next prefill chunk of a sequence whose prompt it does not finish (no logits)."""
+        start = seq.target_table.num_computed
+        return Window(seq.target_table, seq.token_ids[start : start + seq.num_new_tokens], 0)
+
+    @staticmethod
+    def _cache_full_blocks(seqs: list[Sequence]) -> None:
+        """Offer both pools' prefix caches the blocks these sequences have written in full."""
+        for seq in seqs:
+            for table in (seq.target_table, seq.draft_table):
+                if table is not None:
+                    table.cache_full_blocks(seq.token_ids)
+
+    def _choose_k(self, seqs: list[Sequence], fill_rows: int = 0) -> tuple[list[int], list[int]]:
+        """This step's k per sequence (the policy's pick) and its cap (what slots allow);
+        `fill_rows` prefill-chunk rows ride in the same target forward."""
         caps = [self.scheduler.num_draft(s) for s in seqs]
         if self.proposer is not None and self.proposer.pool is not None:  # a draft model
             # A sequence's prefill step does not draft: its first token comes after the target's
@@ -192,7 +233,7 @@ class Engine:
         lags = [s.num_tokens - s.draft_table.num_computed if s.draft_table else 1 for s in seqs]
         if len(seqs) == 1:
             lags = [min(MAX_PRICED_LAG, lag) for lag in lags]
-        ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags)
+        ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags, fill_rows)
         if self.config.uses_draft_model and self.config.draft_stop_confidence > 0:
             # The policy decides whether drafting pays; the draft's confidence decides how far
             # (early stop), which beats the policy's length from an average acceptance: on 10
@@ -275,12 +316,13 @@ class Engine:
         for table in (seq.target_table, seq.draft_table):
             if table is not None:
                 table.truncate(seq.num_tokens - 1)
+                table.cache_full_blocks(seq.token_ids)
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
         return StepDelta(
             seq.request_id, emitted, origins[: len(emitted)], text, num_draft, num_accepted,
-            reason is not None, reason, pieces,
+            reason is not None, reason, pieces, seq.num_cached_tokens or 0,
         )
 
     def _append_tokens(self, seq: Sequence, new: list[int]) -> tuple[list[int], list[str], str | None]:
@@ -344,7 +386,7 @@ class Engine:
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
             seq.request_id, seq.token_ids[: seq.prompt_len], seq.generated_ids,
-            seq.detokenizer.text, seq.finish_reason, seq.stats,
+            seq.detokenizer.text, seq.finish_reason, seq.stats, seq.num_cached_tokens or 0,
         )
 
     def release(self, request_id: str) -> None:
@@ -358,9 +400,24 @@ class Engine:
         if self.proposer is not None and self.proposer.pool is not None:
             pools["draft"] = self.proposer.pool
         return {
-            name: {"total": p.num_blocks, "free": p.num_free, "used": p.num_used}
+            name: {"total": p.num_blocks, "free": p.num_free, "used": p.num_used, "cached": p.num_cached}
             for name, p in pools.items()
         }
+
+    def prefix_cache_stats(self) -> dict[str, dict[str, int]]:
+        """Per pool: prompt tokens looked up in the prefix cache and tokens found, since start."""
+        pools = {"target": self.target.pool}
+        if self.proposer is not None and self.proposer.pool is not None:
+            pools["draft"] = self.proposer.pool
+        return {
+            name: {"queried_tokens": p.stats.queried_tokens, "hit_tokens": p.stats.hit_tokens}
+            for name, p in pools.items()
+        }
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds, in both pools; returns how many."""
+        pools = [self.target.pool] + ([self.proposer.pool] if self.proposer and self.proposer.pool else [])
+        return sum(p.reset_prefix_cache() for p in pools)
 
 
 def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -3,19 +3,39 @@
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from specdec.cache import BlockPool, BlockTable
 from specdec.sequence import Sequence, SequenceStatus
 
 
-class Scheduler:
-    """Decides which sequences run this step and makes sure their KV slots exist in both pools.
+MIN_PREFILL_CHUNK = 16  # a prefill advances at least this much per step, however busy decoding is
 
-    A step writes, for a sequence of n tokens drafting k: target positions up to n+k-1 (the window
-    [last token, d_1..d_k]) and draft positions up to n+k-2. `schedule` first grows the running
-    sequences (oldest first); when a pool is short it preempts the newest running sequence (frees
-    its blocks; it is recomputed from its tokens later). Then it admits waiting sequences in FIFO
-    order while both pools have room and `max_num_seqs` allows. It never raises on full memory.
+
+@dataclass(frozen=True)
+class ChunkBudget:
+    """Tokens a step's target forward may carry (see `EngineConfig.max_num_batched_tokens`)."""
+
+    while_decoding: int = 64  # when any scheduled sequence decodes
+    alone: int = 2048  # when every scheduled sequence prefills
+
+
+class Scheduler:
+    """Decides which sequences run this step, how much of each prompt, and makes sure their KV
+    slots exist in both pools.
+
+    A decoding step writes, for a sequence of n tokens drafting k: target positions up to n+k-1
+    (the window [last token, d_1..d_k]) and draft positions up to n+k-2. A prefilling sequence
+    (its target cache lacks more than its last token: a new prompt, or one recomputed after
+    preemption) gets a chunk of its pending tokens from the step's token budget; the draft's
+    cache is fed the same stretch alongside (`Sequence.num_draft_fill`), so it never has a whole
+    prompt to catch up on later.
+
+    `schedule` first grows the running sequences (oldest first); when a pool is short it preempts
+    the newest running sequence (frees its blocks; it is recomputed from its tokens later, reusing
+    whatever the prefix cache still holds). Then it admits waiting sequences in FIFO order while
+    both pools have room, the budget has tokens left and `max_num_seqs` allows. A new sequence
+    starts on the longest cached prefix of its tokens in each pool. It never raises on full memory.
     """
 
     def __init__(
@@ -27,12 +47,14 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         draft_slots_needed,
+        budget: ChunkBudget = ChunkBudget(),
     ) -> None:
         self.target_pool, self.draft_pool = target_pool, draft_pool
         self.target_block_size, self.draft_block_size = target_block_size, draft_block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.draft_slots_needed = draft_slots_needed
+        self.budget = budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -50,11 +72,15 @@ class Scheduler:
         return max(0, min(seq.num_speculative_tokens, remaining - 1, room))
 
     def schedule(self) -> list[Sequence]:
-        """Sequences to run this step, each with slots for its window in both pools."""
+        """Sequences to run this step, each with its chunk set and slots for it in both pools."""
         scheduled: list[Sequence] = []
+        decoding = [s for s in self.running if s.num_pending <= 1]
+        budget = self.budget.while_decoding if decoding else self.budget.alone
+        left = budget - sum(1 + self.num_draft(s) for s in decoding)
         pending = list(self.running)
         while pending:
             seq = pending.pop(0)
+            left -= self._set_chunk(seq, left)
             while not self._reserve(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -64,15 +90,30 @@ class Scheduler:
                     pending.remove(victim)
             else:
                 scheduled.append(seq)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and left > 0:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            if not self._admit(seq, left):
                 break
+            left -= seq.num_new_tokens + (0 if seq.fills_only else self.num_draft(seq))
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
         return scheduled
+
+    def _set_chunk(self, seq: Sequence, left: int) -> int:
+        """Set this step's target chunk and draft fill; returns the prefill tokens it takes."""
+        pending = seq.num_pending
+        if pending <= 1:
+            seq.num_new_tokens, seq.num_draft_fill = pending, 0
+            return 0
+        chunk = min(pending, max(left, MIN_PREFILL_CHUNK))
+        seq.num_new_tokens = chunk
+        draft = seq.draft_table
+        # the draft keeps at least one token for the catch-up forward that yields its logits
+        lag = seq.num_tokens - 1 - draft.num_computed if draft is not None else 0
+        seq.num_draft_fill = max(0, min(lag, chunk))
+        return chunk
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks and send it back to the front of the queue (recompute)."""
@@ -91,22 +132,33 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _admit(self, seq: Sequence) -> bool:
-        seq.target_table = BlockTable(self.target_pool, self.target_block_size)
+    def _admit(self, seq: Sequence, left: int) -> bool:
+        """Start the sequence's tables on their cached prefixes and reserve its first chunk."""
+        seq.target_table = BlockTable(self.target_pool, self.target_block_size, seq.cache_salt)
+        hit = seq.target_table.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        draft_hit = 0
         if self.draft_pool is not None:
-            seq.draft_table = BlockTable(self.draft_pool, self.draft_block_size)
+            seq.draft_table = BlockTable(self.draft_pool, self.draft_block_size, seq.cache_salt)
+            draft_hit = seq.draft_table.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        self._set_chunk(seq, left)
         if self._reserve(seq):
+            if seq.num_cached_tokens is None:  # first admission: what the prompt found cached
+                seq.num_cached_tokens, seq.num_draft_cached_tokens = hit, draft_hit
             return True
         self._release(seq)
         return False
 
     def _reserve(self, seq: Sequence) -> bool:
         """Grow both tables for this step's window; on failure leave them as they were."""
-        k = self.num_draft(seq)
         target, draft = seq.target_table, seq.draft_table
         assert target is not None
-        target_slots = seq.num_tokens + k
-        draft_slots = self.draft_slots_needed(seq.num_tokens, k) if draft is not None else 0
+        fill_end = draft.num_computed + seq.num_draft_fill if draft is not None else 0
+        if seq.fills_only:  # a prefill chunk short of the prompt's end, and the draft's fill
+            target_slots, draft_slots = target.num_computed + seq.num_new_tokens, fill_end
+        else:
+            k = self.num_draft(seq)
+            target_slots = seq.num_tokens + k
+            draft_slots = max(self.draft_slots_needed(seq.num_tokens, k), fill_end) if draft is not None else 0
         if draft is not None and draft.blocks_needed(draft_slots) > self.draft_pool.num_free:
             return False
         if not target.ensure_slots(target_slots):
@@ -115,7 +167,6 @@ class Scheduler:
             ok = draft.ensure_slots(draft_slots)
             assert ok
         return True
-
     def _release(self, seq: Sequence) -> None:
         for table in (seq.target_table, seq.draft_table):
             if table is not None:

@@ -47,6 +47,14 @@ class Sequence:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # drives adaptive k
     finish_reason: str | None = None
     detokenizer: Any = None
+    cache_salt: str | None = None  # requests with different salts share no cached prefix
+    # Prompt tokens found in each pool's prefix cache at first admission (None until admitted).
+    num_cached_tokens: int | None = None
+    num_draft_cached_tokens: int | None = None
+    # Set by the scheduler for the current step: target tokens fed (the chunk while prefilling,
+    # else 1) and tokens fed to the draft's cache alongside a prefill chunk.
+    num_new_tokens: int = 0
+    num_draft_fill: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.token_ids)
@@ -67,6 +75,18 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def num_pending(self) -> int:
+        """Tokens the target's cache lacks: 1 when decoding, more while (re)prefilling."""
+        assert self.target_table is not None
+        return self.num_tokens - self.target_table.num_computed
+
+    @property
+    def fills_only(self) -> bool:
+        """This step feeds a prefill chunk that stops short of the prompt's end: no token comes
+        out of it."""
+        return self.num_new_tokens < self.num_pending
+
 
 @dataclass
 class StepDelta:
@@ -81,6 +101,7 @@ class StepDelta:
     finished: bool
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)  # text of each token (aligned with token_ids)
+    num_cached_tokens: int = 0  # prompt tokens served from the target's prefix cache
 
 
 @dataclass
@@ -93,3 +114,4 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     stats: AcceptanceStats
+    num_cached_tokens: int = 0  # prompt tokens served from the target's prefix cache

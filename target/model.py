@@ -203,4 +203,6 @@ class LlamaForCausalLM(nn.Module):
         if native is None or not native.run(h, rotation, kv_cache, meta):  # run: h in place
             for i, layer in enumerate(self.model.layers):
                 h = layer(h, rotation, kv_cache, i, meta)
+        if logits_indices.numel() == 0:  # a pure cache fill (prefill chunks)
+            return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         return normed(self.model.norm, self.lm_head, h[logits_indices]).float()  # [R, V]

@@ -77,8 +77,9 @@ class ModelRunner:
         """
         starts = [w.table.num_computed for w in windows]
         ends = [s + len(w.token_ids) for s, w in zip(starts, windows)]
-        for w, end in zip(windows, ends):
+        for w, start, end in zip(windows, starts, ends):
             assert end <= w.table.capacity, "window exceeds the table's allocated slots"
+            assert start >= w.table.num_frozen_tokens, "a window would write into a cached block"
         positions, logits_indices = [], []
         offset = 0
         for w, start, end in zip(windows, starts, ends):

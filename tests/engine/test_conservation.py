@@ -1,4 +1,8 @@
-"""Block conservation: any sequence of add / step / abort / preempt leaves both pools consistent."""
+"""Block conservation with prefix sharing: any sequence of add / step / abort / preempt keeps both
+pools consistent — every held block counted once per holder, shared blocks never written, a
+drained engine holding nothing but evictable cached blocks."""
+
+from collections import Counter
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -7,46 +11,62 @@ from specdec.sampling_params import SamplingParams
 
 from .conftest import make_engine
 
+BASES = [list(range(3, 40)), list(range(50, 90))]  # prompts share prefixes of these, then diverge
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 20), st.integers(1, 12), st.integers(0, 6)),
+        st.tuples(st.just("add"), st.integers(0, 1), st.integers(1, 20), st.integers(0, 4),
+                  st.integers(1, 12), st.integers(0, 6)),
         st.tuples(st.just("step")),
         st.tuples(st.just("abort"), st.integers(0, 30)),
+        st.tuples(st.just("preempt"), st.integers(0, 30)),
     ),
     min_size=1,
     max_size=40,
 )
 
 
-def _check_pools(engine) -> None:
+def check_pools(engine) -> None:
     seqs = engine.scheduler.running + list(engine.scheduler.waiting)
     for name, pool in [("target", engine.target.pool), ("draft", engine.proposer.pool)]:
+        tables = [t for s in seqs for t in [getattr(s, f"{name}_table")] if t is not None]
+        holders = Counter(b for t in tables for b in t.block_ids)
         assert pool.num_free + pool.num_used == pool.num_blocks
-        owned = [b for s in seqs for t in [getattr(s, f"{name}_table")] if t for b in t.block_ids]
-        assert len(owned) == len(set(owned)), "a block is owned twice"
-        assert len(owned) == pool.num_used, "a block leaked or was double counted"
+        assert 0 <= pool.num_cached <= pool.num_free
+        assert pool.num_used == len(holders), "a block leaked, or a held block is on the free list"
+        for block_id, count in holders.items():
+            assert pool.ref_count(block_id) == count, f"block {block_id}: refcount != holders"
+        for t in tables:
+            assert t.num_frozen_tokens <= t.num_computed
+            for block_id in t.block_ids[len(t.block_keys):]:  # blocks still written to
+                assert pool.ref_count(block_id) == 1, "a block is shared while it can be written"
     for s in engine.scheduler.waiting:
         assert s.target_table is None and s.draft_table is None
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=OPS, temperature=st.sampled_from([0.0, 1.0]))
-def test_random_operations_conserve_blocks(pair, ops, temperature):
+@given(ops=OPS, temperature=st.sampled_from([0.0, 1.0]), chunk=st.sampled_from([4, 64]))
+def test_random_operations_conserve_blocks(pair, ops, temperature, chunk):
     target, draft = pair
-    engine = make_engine(target, draft, num_blocks=12, block_size=2, max_num_seqs=4)
+    engine = make_engine(target, draft, num_blocks=14, block_size=2, max_num_seqs=4,
+                         max_num_batched_tokens=chunk, max_prefill_chunk=chunk)
     ids = []
     for op in ops:
         if op[0] == "add":
-            _, plen, max_tokens, k = op
+            _, base, shared, tail, max_tokens, k = op
+            prompt = BASES[base][:shared] + [90 + i for i in range(tail)] or [5]
             params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True)
-            ids.append(engine.add_request(list(range(3, 3 + plen)), params, num_speculative_tokens=k))
+            ids.append(engine.add_request(prompt, params, num_speculative_tokens=k))
         elif op[0] == "step":
             engine.step()
-        elif ids:
+        elif op[0] == "abort" and ids:
             engine.abort(ids[op[1] % len(ids)])
-        _check_pools(engine)
+        elif op[0] == "preempt" and engine.scheduler.running:
+            running = engine.scheduler.running
+            engine.scheduler.preempt(running[op[1] % len(running)])
+        check_pools(engine)
     while engine.has_unfinished():
         engine.step()
-        _check_pools(engine)
-    assert engine.target.pool.num_used == 0
-    assert engine.proposer.pool.num_used == 0
+        check_pools(engine)
+    for pool in (engine.target.pool, engine.proposer.pool):
+        assert pool.num_used == 0  # only evictable cached blocks are left
+        assert pool.num_free == pool.num_blocks
