@@ -47,6 +47,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="the same for the draft model. Default: see README")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the KV of earlier requests' identical prompt prefixes")
+    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, metavar="N",
+                   help="tokens per step while any stream decodes: a long prompt is prefilled in "
+                        "chunks that ride beside the running streams' steps (default: "
+                        f"{EngineConfig.max_num_batched_tokens})")
+    g.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk, metavar="N",
+                   help="prefill chunk when no stream is decoding (default: "
+                        f"{EngineConfig.max_prefill_chunk})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -66,6 +75,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         target_quant=args.target_quant,
         draft_quant=args.draft_quant,
+        enable_prefix_caching=args.prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_chunk=args.max_prefill_chunk,
     )
 
 
