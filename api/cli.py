@@ -100,13 +100,14 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.api import generate_cmd
+    from specdec.api import chat_cmd, generate_cmd
 
     parser = argparse.ArgumentParser(
         prog="specdec", description="Speculative-decoding LLM inference engine."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
+    chat_cmd.register(sub)
     for module in _optional_commands():
         module.register(sub)
     return parser

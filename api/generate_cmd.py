@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from specdec.sequence import StepDelta, TokenOrigin
+from specdec.verify import AcceptanceStats
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from specdec.config import EngineConfig
+    from specdec.engine import Engine
 
 ORIGIN_STYLES = {
     TokenOrigin.ACCEPTED: "green",
@@ -13,6 +21,8 @@ ORIGIN_STYLES = {
     TokenOrigin.BONUS: "cyan",
     TokenOrigin.TARGET: "",
 }
+LEGEND = ("[green]accepted draft[/green] · [bold red]corrected by target[/bold red]"
+          " · [cyan]bonus[/cyan] · plain target")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,27 +46,42 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from specdec.api.cli import engine_config_from_args, sampling_params_from_args
-    from specdec.engine import Engine
 
     params = sampling_params_from_args(args)
     config = engine_config_from_args(args)
     err = Console(stderr=True, highlight=False)
-    t0 = time.perf_counter()
-    with err.status("loading models (the first run converts the GGUF files; later runs take seconds)"):
-        engine = Engine(config)
-    load_s = time.perf_counter() - t0
+    engine, load_s = load_engine(config, err)
     chat = args.chat if args.chat is not None else _is_chat(engine)
     prompt_ids = [engine.encode(p, chat=chat) for p in args.prompts]
     if not args.quiet_stats:
-        mode = "target only" if not config.speculative else f"{config.proposer} proposer, k={config.num_speculative_tokens}"
-        err.print(f"[dim]loaded in {load_s:.1f}s · {mode} · {config.dtype} · chat={chat}[/dim]")
+        err.print(f"[dim]loaded in {load_s:.1f}s · {describe_engine(config)} · chat={chat}[/dim]")
     out = Console(highlight=False, soft_wrap=True)
-    printer = _StreamPrinter(out, err, len(prompt_ids), args.show_acceptance, not args.quiet_stats)
+    printer = StreamPrinter(out, err, len(prompt_ids), args.show_acceptance, not args.quiet_stats,
+                            num_prompt_tokens=sum(len(ids) for ids in prompt_ids))
     t_start = time.perf_counter()
-    for delta in engine.stream(prompt_ids, params):
-        printer.add(delta, engine)
-    printer.close(engine, time.perf_counter() - t_start)
+    try:
+        for delta in engine.stream(prompt_ids, params):
+            printer.add(delta)
+    finally:  # an interrupted run must still hand the terminal back from the live region
+        printer.close(time.perf_counter() - t_start)
     return 0
+
+
+def load_engine(config: EngineConfig, err: Console) -> tuple[Engine, float]:
+    """(engine, seconds it took to load), with a spinner on the `err` console meanwhile."""
+    from specdec.engine import Engine
+
+    t0 = time.perf_counter()
+    with err.status("loading models (the first run converts the GGUF files; later runs take seconds)"):
+        engine = Engine(config)
+    return engine, time.perf_counter() - t0
+
+
+def describe_engine(config: EngineConfig) -> str:
+    """The loaded line's summary of a config: proposer and k, dtype, and prefix caching if off."""
+    mode = "target only" if not config.speculative else f"{config.proposer} proposer, k={config.num_speculative_tokens}"
+    text = f"{mode} · {config.dtype}"
+    return text if config.enable_prefix_caching else text + " · prefix caching off"
 
 
 def _is_chat(engine) -> bool:
@@ -65,22 +90,51 @@ def _is_chat(engine) -> bool:
     return engine.tokenizer is not None and is_chat_model(engine.tokenizer)
 
 
-class _StreamPrinter:
+def stats_line(
+    num_tokens: int, elapsed: float, ttft: float | None, acceptance: AcceptanceStats,
+    num_cached: int = 0, num_prompt_tokens: int = 0, always_show_cached: bool = False,
+) -> str:
+    """The statistics line: tokens, tok/s, TTFT, acceptance when anything was drafted, and the
+    prompt tokens served from the prefix cache (when any were, or always with `always_show_cached`)."""
+    line = (
+        f"{num_tokens} tokens in {elapsed:.2f}s · {num_tokens / max(elapsed, 1e-9):.2f} tok/s"
+        f" · TTFT {ttft or 0:.2f}s"
+    )
+    if acceptance.num_draft_tokens:
+        line += (
+            f" · acceptance {acceptance.acceptance_rate:.1%} · mean accepted length "
+            f"{acceptance.mean_accepted_length:.2f} tokens per target pass"
+        )
+    if num_cached or always_show_cached:
+        line += f" · cached {num_cached}/{num_prompt_tokens} prompt tokens"
+    return line
+
+
+class StreamPrinter:
     """Streams one prompt live; with several prompts, prints each answer as it finishes.
 
     On a terminal the single answer is shown in a rich `Live` region whose last line carries the
-    running statistics (tokens, tok/s, acceptance); piped output is plain streamed text.
+    running statistics (tokens, tok/s, acceptance); piped output is plain streamed text. The
+    statistics count this printer's deltas only, so they hold per answer on a long-lived engine
+    (`specdec chat`). `num_prompt_tokens` is the prompts' total length, for the cached count.
     """
 
-    def __init__(self, out, err, num_prompts: int, colors: bool, stats: bool) -> None:
+    def __init__(
+        self, out, err, num_prompts: int, colors: bool, stats: bool, num_prompt_tokens: int = 0,
+        stats_style: str = "bold", always_show_cached: bool = False,
+    ) -> None:
         from rich.live import Live
         from rich.text import Text
 
         self.out, self.err, self.colors, self.stats = out, err, colors, stats
+        self.stats_style, self.always_show_cached = stats_style, always_show_cached
         self.single = num_prompts == 1
+        self.num_prompt_tokens = num_prompt_tokens
         self.texts: dict[str, list] = {}
         self.answer = Text()
         self.num_tokens = 0
+        self.acceptance = AcceptanceStats()
+        self.cached: dict[str, int] = {}  # request id -> prompt tokens its target cache reused
         self.ttft: float | None = None
         self.t0 = time.perf_counter()
         self.live = None
@@ -88,10 +142,17 @@ class _StreamPrinter:
             self.live = Live(console=out, refresh_per_second=8, vertical_overflow="visible")
             self.live.start()
 
-    def add(self, delta: StepDelta, engine) -> None:
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached.values())
+
+    def add(self, delta: StepDelta) -> None:
         from rich.text import Text
 
         self.num_tokens += len(delta.token_ids)
+        if delta.num_drafted:  # as the engine counts: steps that drafted nothing do not dilute
+            self.acceptance.update(delta.num_drafted, delta.num_accepted)
+        self.cached[delta.request_id] = max(self.cached.get(delta.request_id, 0), delta.num_cached_tokens)
         if self.ttft is None and delta.token_ids:
             self.ttft = time.perf_counter() - self.t0
         text = Text()
@@ -99,7 +160,7 @@ class _StreamPrinter:
             text.append(piece, style=ORIGIN_STYLES[origin] if self.colors else "")
         if self.live is not None:
             self.answer.append_text(text)
-            self.live.update(self._render(engine))
+            self.live.update(self._render())
         elif self.single:
             self.out.print(text, end="")
         else:
@@ -108,36 +169,31 @@ class _StreamPrinter:
                 self.out.rule(delta.request_id)
                 self.out.print(Text.assemble(*self.texts.pop(delta.request_id)))
 
-    def _render(self, engine):
+    def _render(self):
         from rich.console import Group
         from rich.text import Text
 
         if not self.stats:
             return self.answer
-        return Group(self.answer, Text(self._stats_line(engine, time.perf_counter() - self.t0), style="dim"))
+        return Group(self.answer, Text(self.stats_line(time.perf_counter() - self.t0), style="dim"))
 
-    def _stats_line(self, engine, elapsed: float) -> str:
-        s = engine.stats
-        line = (
-            f"{self.num_tokens} tokens in {elapsed:.2f}s · {self.num_tokens / max(elapsed, 1e-9):.2f} tok/s"
-            f" · TTFT {self.ttft or 0:.2f}s"
-        )
-        if s.num_draft_tokens:
-            line += (
-                f" · acceptance {s.acceptance_rate:.1%} · mean accepted length "
-                f"{s.mean_accepted_length:.2f} tokens per target pass"
-            )
-        return line
+    def stats_line(self, elapsed: float) -> str:
+        return stats_line(self.num_tokens, elapsed, self.ttft, self.acceptance, self.num_cached_tokens,
+                          self.num_prompt_tokens, self.always_show_cached)
 
-    def close(self, engine, elapsed: float) -> None:
+    def close(self, elapsed: float, legend: bool = True) -> None:
+        """End the answer (and the live region); print the statistics line and, with colours,
+        the legend."""
+        from rich.text import Text
+
         if self.live is not None:
             self.live.update(self.answer)
             self.live.stop()
+            self.live = None
         elif self.single:
             self.out.print()
         if not self.stats:
             return
-        self.err.print(f"[bold]{self._stats_line(engine, elapsed)}[/bold]")
-        if self.colors:
-            self.err.print("[green]accepted draft[/green] · [bold red]corrected by target[/bold red]"
-                           " · [cyan]bonus[/cyan] · plain target")
+        self.err.print(Text(self.stats_line(elapsed), style=self.stats_style))
+        if self.colors and legend:
+            self.err.print(LEGEND)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,35 @@ def apply_chat_template(tokenizer: Any, prompt: str) -> list[int]:
             "This model's tokenizer has no chat template, so the prompt cannot be wrapped as a "
             "chat message; pass --no-chat to feed the prompt as plain text."
         )
-    messages = [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def encode_chat(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    """Token ids of a whole conversation (`[{"role": ..., "content": ...}, ...]`), ready for the
+    assistant's next reply.
+
+    Rendered like `apply_chat_template` (text first, then encoded without extra special tokens),
+    so a conversation's first turn gets the same ids as the single prompt. A later turn's ids
+    start with the earlier turns' wherever the template renders old turns unchanged (ChatML
+    does), which is what lets the prefix cache reuse them.
+    """
+    if not is_chat_model(tokenizer):
+        raise ValueError("This model's tokenizer has no chat template, so a conversation cannot "
+                         "be formatted for it.")
+    if not messages:
+        raise ValueError("the conversation has no messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, Mapping) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise ValueError(f"message {i} needs a string 'role' and a string 'content', got {m!r}")
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+    except TemplateError as error:  # e.g. a template that insists roles alternate
+        raise ValueError(f"the chat template rejected these messages: {error}") from error
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
