@@ -58,7 +58,7 @@ async def _generate(
     active = ActiveRequest.admit(state, fmt.id, len(prompt_ids))
     try:
         stream = state.engine.submit(
-            GenerationRequest(fmt.id, prompt_ids, params, body.num_speculative_tokens)
+            GenerationRequest(fmt.id, prompt_ids, params, body.num_speculative_tokens, body.cache_salt)
         )
     except EngineDeadError as exc:
         active.close(None)
@@ -122,6 +122,7 @@ class ActiveRequest:
                 metrics.observe_tokens(num_tokens, now - self.last_token_at)
             self.last_token_at = now
         self.usage.completion_tokens += num_tokens
+        self.usage.cached_tokens = delta.num_cached_tokens
         self.num_drafted += delta.num_drafted
         self.num_accepted += delta.num_accepted
         if delta.finished:

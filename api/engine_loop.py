@@ -41,6 +41,7 @@ class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
     num_speculative_tokens: int | None = None
+    cache_salt: str | None = None  # requests with different salts share no cached prefix
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ class EngineSnapshot:
     """The engine's state after the latest step, published by the engine thread for /metrics."""
 
     kv_usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    # per pool: prompt tokens looked up in / found in the prefix cache since start (cumulative)
+    prefix_cache: dict[str, dict[str, int]] = field(default_factory=dict)
     num_waiting: int = 0
     num_running: int = 0
     acceptance: dict[str, Any] = field(default_factory=dict)
@@ -206,7 +209,8 @@ class AsyncEngine:
         _, request, stream = command
         try:
             engine.add_request(
-                request.prompt_ids, request.params, request.request_id, request.num_speculative_tokens
+                request.prompt_ids, request.params, request.request_id, request.num_speculative_tokens,
+                cache_salt=request.cache_salt,
             )
         except ValueError as exc:
             self._deliver([(stream, exc)])
@@ -240,6 +244,7 @@ class AsyncEngine:
         scheduler = engine.scheduler
         self.snapshot = EngineSnapshot(
             kv_usage=engine.kv_usage(),
+            prefix_cache=engine.prefix_cache_stats(),
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
             acceptance=engine.stats.as_dict(),

@@ -3,7 +3,8 @@
 Each app owns its `CollectorRegistry` (two servers in one process never share counters). Request
 metrics are updated by the handlers; engine metrics (acceptance per draft position, KV blocks per
 pool, queue depth, running sequences) are read from the engine loop's latest snapshot at scrape
-time, so they are never stale and the engine thread does no metrics work.
+time, so they are never stale and the engine thread does no metrics work. The prefix-cache
+counters export the engine's own cumulative totals (which only grow) as Prometheus counters.
 """
 
 from __future__ import annotations
@@ -84,13 +85,30 @@ class _EngineCollector:
                                 value=engine.queue_depth)
         yield GaugeMetricFamily("specdec_running_sequences", "Sequences the engine is decoding",
                                 value=snap.num_running)
-        blocks = GaugeMetricFamily("specdec_kv_blocks", "KV cache blocks per pool (target, draft) and state",
-                                   labels=["pool", "state"])
+        blocks = GaugeMetricFamily(
+            "specdec_kv_blocks", "KV cache blocks per pool (target, draft) and state: used (held by "
+            "requests), free (allocatable), cached (free blocks keeping a reusable prefix; part of free)",
+            labels=["pool", "state"])
         for pool, usage in snap.kv_usage.items():
-            blocks.add_metric([pool, "used"], usage["used"])
-            blocks.add_metric([pool, "free"], usage["free"])
+            for state in ("used", "free", "cached"):
+                blocks.add_metric([pool, state], usage.get(state, 0))
         yield blocks
+        yield from self._prefix_cache(snap.prefix_cache)
         yield from self._acceptance(snap.acceptance, snap.drafted_per_position)
+
+    @staticmethod
+    def _prefix_cache(stats: dict[str, dict[str, int]]) -> Iterator[Metric]:
+        queried = CounterMetricFamily(
+            "specdec_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache, per pool",
+            labels=["pool"])
+        hits = CounterMetricFamily(
+            "specdec_prefix_cache_hit_tokens", "Prompt tokens whose KV was found in the prefix cache, per pool",
+            labels=["pool"])
+        for pool, counts in stats.items():
+            queried.add_metric([pool], counts["queried_tokens"])
+            hits.add_metric([pool], counts["hit_tokens"])
+        yield queried
+        yield hits
 
     @staticmethod
     def _acceptance(acceptance: dict, drafted: tuple[int, ...]) -> Iterator[Metric]:

@@ -24,14 +24,19 @@ from specdec.sequence import StepDelta
 
 @dataclass
 class Usage:
+    """Token counts as OpenAI reports them; `cached_tokens` are prompt tokens whose KV the target
+    found in its prefix cache (`usage.prompt_tokens_details.cached_tokens`)."""
+
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

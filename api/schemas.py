@@ -3,7 +3,7 @@
 Fields we cannot honour (several choices, logprobs, penalties, tools) are rejected with a 400 that
 names them rather than silently ignored; unknown extra fields are ignored, as OpenAI's SDKs send new
 optional fields over time. `top_k`, `ignore_eos` and `num_speculative_tokens` are specdec
-extensions (pass them with the openai client's `extra_body`).
+extensions and `cache_salt` is vLLM's (pass them with the openai client's `extra_body`).
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class GenerationFields(BaseModel):
     top_k: int | None = Field(None, ge=-1, lt=2**31)  # any k >= vocab size means off
     ignore_eos: bool = False
     num_speculative_tokens: int | None = Field(None, ge=0, le=16)
+    # vLLM extension: requests with different salts share no cached prompt prefix
+    cache_salt: str | None = None
 
     @field_validator("n")
     @classmethod
@@ -87,6 +89,13 @@ class GenerationFields(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, salt: str | None) -> str | None:
+        if salt is not None and not salt:
+            raise ValueError("cache_salt must be a non-empty string when given")
+        return salt
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
