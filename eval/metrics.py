@@ -13,7 +13,9 @@ Latency, per vLLM's `benchmark_serving` (a request streams chunks; a chunk may c
 - TTFT: first chunk - request start; E2E: last chunk - request start;
 - TPOT: (E2E - TTFT) / (output tokens - 1), for requests with more than one output token;
 - ITL: the gaps between successive chunks (one per chunk after the first);
-- goodput: requests per second that meet every given SLO (ttft / tpot / e2el, in ms).
+- goodput: requests per second that meet every given SLO (ttft / tpot / e2el, in ms);
+- prefix hit rate: prompt tokens the server found in its prefix cache / prompt tokens (OpenAI's
+  `usage.prompt_tokens_details.cached_tokens` over `usage.prompt_tokens`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class RequestTrace:
     chunk_tokens: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens served from the server's prefix cache, if reported
     token_ids: list[int] = field(default_factory=list)
     success: bool = True
     error: str = ""
@@ -183,7 +186,6 @@ def serving_metrics(
     output_tokens = sum(t.num_output_tokens for t in done)
     input_tokens = sum(t.prompt_tokens for t in done)
     good = sum(1 for t in done if meets_slos(t, slos)) if slos else None
-    ms = lambda xs: [1000.0 * x for x in xs]  # noqa: E731
     return {
         "completed": len(done),
         "failed": len(traces) - len(done),
@@ -194,11 +196,34 @@ def serving_metrics(
         "request_goodput": good / duration if good is not None and duration > 0 else None,
         "output_throughput": output_tokens / duration if duration > 0 else 0.0,
         "total_token_throughput": (input_tokens + output_tokens) / duration if duration > 0 else 0.0,
+        **latency_distributions(done, percentiles),
+        "slos_ms": dict(slos) if slos else {},
+    }
+
+
+def latency_distributions(traces: Sequence[RequestTrace], percentiles: Sequence[float] = (50, 90, 99)) -> dict:
+    """TTFT, TPOT, ITL and E2E distributions (ms) of the successful traces that streamed text."""
+    done = [t for t in traces if t.success and t.chunk_times]
+    ms = lambda xs: [1000.0 * x for x in xs]  # noqa: E731
+    return {
         "ttft_ms": distribution(ms([t.ttft for t in done]), percentiles),
         "tpot_ms": distribution(ms([t.tpot for t in done if t.tpot is not None]), percentiles),
         "itl_ms": distribution(ms([g for t in done for g in t.itl]), percentiles),
         "e2el_ms": distribution(ms([t.e2e for t in done]), percentiles),
-        "slos_ms": dict(slos) if slos else {},
+    }
+
+
+def prefix_cache_usage(traces: Sequence[RequestTrace]) -> dict[str, object]:
+    """Prompt tokens, cached prompt tokens and their ratio (the prefix hit rate) over the successful
+    traces whose server reported cached tokens; the rate is None when none did."""
+    reported = [t for t in traces if t.success and t.cached_tokens is not None]
+    prompt = sum(t.prompt_tokens for t in reported)
+    cached = sum(t.cached_tokens or 0 for t in reported)
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefix_hit_rate": cached / prompt if prompt else None,
+        "num_reported": len(reported),
     }
 
 

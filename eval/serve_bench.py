@@ -6,6 +6,15 @@ with shape `burstiness`, mean 1 / rate; `inf` sends all at once), optionally cap
 Per request: TTFT (first chunk with text), ITL (gaps between text chunks), E2E (last chunk) and
 TPOT = (E2E - TTFT) / (output tokens - 1), output tokens from the server's `usage` or, without it,
 by tokenizing the streamed text; then throughput and goodput under SLOs (see `metrics`).
+
+`--multi-turn` replays ShareGPT conversations (`datasets.sample_sharegpt_conversations`) against
+/v1/chat/completions the way a chat client does: conversations start at the same Poisson arrivals,
+their turns go one after another, and each turn resends the whole history with the answer the
+server actually streamed for the turn before. Every rate runs two passes over the same
+conversations in the same order: `cache` (plain requests, so turns reuse the KV of the history
+through the server's prefix cache) and `no-cache` (a fresh random `cache_salt` on every request, so
+nothing is reused). Per turn: TTFT, ITL, TPOT, E2E, prompt and cached tokens (from the usage
+chunk); reported for first and later turns, with the prefix hit rate = cached / prompt tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import secrets
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,14 +30,16 @@ from pathlib import Path
 import numpy as np
 
 from specdec.eval import metrics, report
-from specdec.eval.datasets import SampledRequest, sample_sharegpt
+from specdec.eval.datasets import Conversation, SampledRequest, sample_sharegpt, sample_sharegpt_conversations
 from specdec.eval.metrics import RequestTrace
+
+CHAT_ENDPOINT = "/v1/chat/completions"
 
 
 @dataclass
 class ServeBenchOptions:
     base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = "/v1/completions"
+    endpoint: str | None = None  # default: /v1/completions, or the chat endpoint with multi_turn
     model: str | None = None
     dataset_path: Path | None = None
     tokenizer: str = "default-target"
@@ -44,8 +56,18 @@ class ServeBenchOptions:
     limit: int | None = 50
     seed: int = 0
     progress: bool = True
+    multi_turn: bool = False
+    max_turns: int = 3
 
     def __post_init__(self) -> None:
+        if self.endpoint is None:
+            self.endpoint = CHAT_ENDPOINT if self.multi_turn else "/v1/completions"
+        if self.multi_turn and not self.chat:
+            raise ValueError(f"--multi-turn sends chat requests to {CHAT_ENDPOINT}; drop --endpoint {self.endpoint}")
+        if self.max_turns < 2:
+            raise ValueError(f"--max-turns must be at least 2 (a multi-turn conversation), got {self.max_turns}")
+        if self.output_len is not None and self.output_len < 1:
+            raise ValueError(f"--output-len must be positive, got {self.output_len}")
         if not self.request_rates or any(not r > 0 for r in self.request_rates):
             raise ValueError(f"--request-rates must be positive (inf allowed), got {self.request_rates}")
         if self.burstiness <= 0:
@@ -96,10 +118,21 @@ def chunk_text(chunk: dict) -> str:
 
 async def send_request(client, url: str, body: dict, request: SampledRequest, count_tokens) -> RequestTrace:
     """Stream one request; the trace stamps every chunk that brings text."""
+    trace = RequestTrace(time.perf_counter(), prompt_tokens=request.prompt_len)
+    text, _ = await stream_request(client, url, body, trace)
+    if trace.success and trace.output_tokens is None:
+        trace.output_tokens = count_tokens(text)
+    return trace
+
+
+async def stream_request(client, url: str, body: dict, trace: RequestTrace) -> tuple[str, dict | None]:
+    """Stream one request into `trace` (a stamp per chunk that brings text; output and cached tokens
+    from the usage chunk); returns the streamed text and the server's `usage` (None without one).
+    A failure marks the trace instead of raising."""
     import httpx
 
-    trace = RequestTrace(time.perf_counter(), prompt_tokens=request.prompt_len)
     text: list[str] = []
+    usage: dict | None = None
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -115,15 +148,17 @@ async def send_request(client, url: str, body: dict, request: SampledRequest, co
                 if piece := chunk_text(chunk):
                     trace.add_chunk(time.perf_counter(), 0)
                     text.append(piece)
-                if usage := chunk.get("usage"):
-                    trace.output_tokens = usage.get("completion_tokens")
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
     except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as error:
         trace.success, trace.error = False, f"{type(error).__name__}: {error}"
     if trace.success and not trace.chunk_times:
         trace.success, trace.error = False, "the stream carried no text"
-    if trace.success and trace.output_tokens is None:
-        trace.output_tokens = count_tokens("".join(text))
-    return trace
+    if usage:
+        trace.output_tokens = usage.get("completion_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        trace.cached_tokens = cached if isinstance(cached, int) else None
+    return "".join(text), usage
 
 
 async def run_rate(client, opts: ServeBenchOptions, model: str, requests: list[SampledRequest], rate: float,
@@ -200,6 +235,8 @@ def load_tokenizer(spec: str):
 
 def benchmark(opts: ServeBenchOptions) -> dict:
     """Sample the requests, then run every rate against the server."""
+    if opts.multi_turn:
+        return benchmark_multi_turn(opts)
     tokenizer = load_tokenizer(opts.tokenizer)
     requests = sample_sharegpt(
         lambda s: tokenizer(s).input_ids, opts.limit, opts.seed, opts.output_len, opts.max_prompt_len,
@@ -217,6 +254,8 @@ def benchmark(opts: ServeBenchOptions) -> dict:
 
 
 def table(result: dict) -> str:
+    if result.get("multi_turn"):
+        return multi_turn_table(result)
     headers = ["rate req/s", "completed", "failed", "duration s", "req/s", "goodput req/s", "output tok/s",
                "total tok/s"]
     rows = [[r["request_rate"], r["completed"], r["failed"], r["duration_s"], r["request_throughput"],
@@ -255,6 +294,8 @@ def plot(result: dict, path: Path) -> Path:
 
 
 def write_report(out: Path, meta: dict, opts: ServeBenchOptions, result: dict) -> list[Path]:
+    if opts.multi_turn:
+        return write_multi_turn_report(out, meta, opts, result)
     payload_ = {"meta": meta, "options": asdict(opts), "results": result}
     slos = ", ".join(f"{k} <= {v:g} ms" for k, v in opts.slos.items()) or "none given"
     files = [report.write_json(out / "serve.json", payload_)]
@@ -264,4 +305,272 @@ def write_report(out: Path, meta: dict, opts: ServeBenchOptions, result: dict) -
         ("Latency", latency_table(result, opts.percentiles)),
     ]))
     files.append(plot(result, out / "serve.png"))
+    return files
+
+
+# ---- multi-turn chat (--multi-turn) ------------------------------------------------------------
+
+PASSES = ("cache", "no-cache")  # run in this order at every rate; "no-cache" salts every request
+PASS_LABELS = {"cache": "with caching", "no-cache": "without caching"}
+_TABLE_PERCENTILES = (50.0, 99.0)
+
+
+@dataclass
+class TurnTrace:
+    """One turn of one conversation in one pass (turns count from 1)."""
+
+    conversation: int  # index in the sampled list (ShareGPT ids may repeat)
+    conversation_id: str
+    turn: int
+    trace: RequestTrace
+
+    def record(self) -> dict:
+        """What serve.json keeps of the turn: latencies (ms) and token counts."""
+        t = self.trace
+        done = t.success and bool(t.chunk_times)
+        return {
+            "conversation": self.conversation, "id": self.conversation_id, "turn": self.turn,
+            "success": t.success, "error": t.error, "prompt_tokens": t.prompt_tokens,
+            "cached_tokens": t.cached_tokens, "output_tokens": t.num_output_tokens if done else None,
+            "ttft_ms": 1000.0 * t.ttft if done else None,
+            "tpot_ms": 1000.0 * t.tpot if done and t.tpot is not None else None,
+            "e2el_ms": 1000.0 * t.e2e if done else None,
+            "itl_ms": [1000.0 * g for g in t.itl] if done else [],
+        }
+
+
+def chat_payload(
+    opts: ServeBenchOptions, model: str, messages: list[dict], max_tokens: int, cache_salt: str | None
+) -> dict:
+    """A streamed chat request with usage in the last chunk; `cache_salt` only when given."""
+    body: dict = {
+        "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": opts.temperature,
+        "stream": True, "stream_options": {"include_usage": True},
+    }
+    if opts.ignore_eos:
+        body["ignore_eos"] = True
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
+
+
+def fresh_salt() -> str:
+    """A random `cache_salt` no other request uses: its request shares no cached prefix."""
+    return secrets.token_hex(16)
+
+
+async def run_conversation(
+    client, opts: ServeBenchOptions, model: str, index: int, conversation: Conversation, salted: bool,
+    count_tokens, bar,
+) -> list[TurnTrace]:
+    """Send a conversation's turns in order, each with the whole history so far: every earlier
+    message and the answer the server streamed for it. After a failed turn the rest are failed
+    too (their history would lack an answer)."""
+    messages: list[dict] = []
+    turns: list[TurnTrace] = []
+    for number, turn in enumerate(conversation.turns, 1):
+        if turns and not turns[-1].trace.success:
+            skipped = RequestTrace(time.perf_counter(), success=False, error="an earlier turn failed")
+            turns.append(TurnTrace(index, conversation.id, number, skipped))
+            bar.update(1)
+            continue
+        messages.append({"role": "user", "content": turn.prompt})
+        body = chat_payload(opts, model, list(messages), turn.output_len, fresh_salt() if salted else None)
+        trace = RequestTrace(time.perf_counter())
+        answer, usage = await stream_request(client, opts.endpoint, body, trace)
+        prompt_tokens = (usage or {}).get("prompt_tokens")
+        trace.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else sum(
+            count_tokens(m["content"]) for m in messages)
+        if trace.success and trace.output_tokens is None:
+            trace.output_tokens = count_tokens(answer)
+        messages.append({"role": "assistant", "content": answer})
+        turns.append(TurnTrace(index, conversation.id, number, trace))
+        bar.update(1)
+    return turns
+
+
+async def run_pass(
+    client, opts: ServeBenchOptions, model: str, conversations: list[Conversation], rate: float,
+    salted: bool, count_tokens, bar,
+) -> dict:
+    """Every conversation once, starting at Poisson arrivals (the same offsets in every pass)."""
+    offsets = arrival_offsets(len(conversations), rate, opts.burstiness, np.random.default_rng(opts.seed))
+    limit = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
+    start = time.perf_counter()
+
+    async def one(index: int, conversation: Conversation, offset: float) -> list[TurnTrace]:
+        await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        if limit is None:
+            return await run_conversation(client, opts, model, index, conversation, salted, count_tokens, bar)
+        async with limit:
+            return await run_conversation(client, opts, model, index, conversation, salted, count_tokens, bar)
+
+    done = await asyncio.gather(*(one(i, c, o) for i, (c, o) in enumerate(zip(conversations, offsets))))
+    duration = time.perf_counter() - start
+    return pass_metrics([turn for turns in done for turn in turns], duration, opts)
+
+
+def pass_metrics(turns: list[TurnTrace], duration: float, opts: ServeBenchOptions) -> dict:
+    """vLLM's metrics over all turns, latency and prefix hits for first and later turns, per-turn records."""
+    percentiles = sorted({*map(float, opts.percentiles), *_TABLE_PERCENTILES})
+    traces = [t.trace for t in turns]
+    by_turn = {}
+    for name, group in (("first", [t.trace for t in turns if t.turn == 1]),
+                        ("later", [t.trace for t in turns if t.turn > 1])):
+        by_turn[name] = {
+            "turns": len(group), "completed": sum(1 for t in group if t.success),
+            **metrics.latency_distributions(group, percentiles), **metrics.prefix_cache_usage(group),
+        }
+    conversations = {t.conversation for t in turns}
+    failed = {t.conversation for t in turns if not t.trace.success}
+    return {
+        **metrics.serving_metrics(traces, duration, opts.slos, percentiles),
+        **metrics.prefix_cache_usage(traces),
+        "conversations": len(conversations),
+        "completed_conversations": len(conversations - failed),
+        "by_turn": by_turn,
+        "errors": sorted({t.error for t in traces if not t.success})[:5],
+        "turn_records": [t.record() for t in turns],
+    }
+
+
+def pass_warnings(passes: dict[str, dict]) -> list[str]:
+    """What makes a run's comparison doubtful: no cached-token counts, or hits despite salts."""
+    warnings = []
+    if all(p["prefix_hit_rate"] is None for p in passes.values()):
+        warnings.append("the server reports no usage.prompt_tokens_details.cached_tokens: hit rates unknown")
+    elif (passes["no-cache"]["cached_tokens"] or 0) > 0:
+        warnings.append("salted requests found cached tokens: the server seems to ignore cache_salt, so "
+                        "the 'without caching' pass is not cold")
+    return warnings
+
+
+async def run_multi_turn_all(opts: ServeBenchOptions, conversations: list[Conversation], count_tokens) -> dict:
+    """At every rate: the cached pass, then the salted (uncached) pass, one after the other."""
+    import httpx
+    from tqdm.auto import tqdm
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    client = httpx.AsyncClient(base_url=opts.base_url, timeout=opts.timeout, limits=limits, trust_env=False)
+    num_turns = sum(len(c.turns) for c in conversations)
+    async with client:
+        model = await _server_model(client, opts)
+        first = [{"role": "user", "content": conversations[0].turns[0].prompt}]
+        probe = RequestTrace(time.perf_counter())
+        await stream_request(client, opts.endpoint, chat_payload(opts, model, first, 4, fresh_salt()), probe)
+        if not probe.success:  # salted, so the probe leaves nothing the cached pass could reuse
+            raise ValueError(f"the test request to {opts.base_url}{opts.endpoint} failed: {probe.error}")
+        runs = []
+        with tqdm(total=num_turns * len(PASSES) * len(opts.request_rates), desc="bench serve multi-turn",
+                  unit="turn", disable=not opts.progress) as bar:
+            for rate in opts.request_rates:
+                passes = {}
+                for name in PASSES:
+                    bar.set_postfix_str(f"rate {rate}/s, {PASS_LABELS[name]}")
+                    passes[name] = await run_pass(
+                        client, opts, model, conversations, rate, name == "no-cache", count_tokens, bar)
+                warnings = pass_warnings(passes)
+                if runs:
+                    warnings.append("the cached pass may also have reused blocks the earlier rates' cached "
+                                    "passes left in the server (compare the first-turn hit rates)")
+                runs.append({"request_rate": rate, "passes": passes, "warnings": warnings})
+    return {"model": model, "multi_turn": True, "runs": runs}
+
+
+def benchmark_multi_turn(opts: ServeBenchOptions) -> dict:
+    """Sample the conversations, then run both passes at every rate against the server."""
+    tokenizer = load_tokenizer(opts.tokenizer)
+    tokenize = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    count_tokens = lambda text: len(tokenize(text))  # noqa: E731
+    conversations = sample_sharegpt_conversations(
+        tokenize, opts.limit, opts.seed, opts.output_len, opts.max_prompt_len, opts.max_turns,
+        path=opts.dataset_path,
+    )
+    if not conversations:
+        raise ValueError("no ShareGPT conversation keeps two turns under the filters; raise --max-prompt-len "
+                         "or lower --output-len")
+    result = asyncio.run(run_multi_turn_all(opts, conversations, count_tokens))
+    result["conversations"] = [
+        {"id": c.id, "turns": [asdict(t) | {"prompt": t.prompt[:80]} for t in c.turns]} for c in conversations
+    ]
+    return result
+
+
+def _ratio(with_cache: float | None, without: float | None) -> str | None:
+    if with_cache is None or not without:
+        return None
+    return f"{with_cache / without:.2f}x"
+
+
+def multi_turn_table(result: dict) -> str:
+    """Side by side, per rate: TTFT / TPOT / ITL p50 and p99 and the prefix hit rate for first and
+    later turns, with and without caching, and their ratio."""
+    headers = ["rate", "metric", "turns", PASS_LABELS["cache"], PASS_LABELS["no-cache"], "with / without"]
+    rows = []
+    for run in result["runs"]:
+        rate, cache, cold = run["request_rate"], run["passes"]["cache"], run["passes"]["no-cache"]
+        for name, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
+            for p in _TABLE_PERCENTILES:
+                key = metrics.percentile_key(p)
+                for turns in ("first", "later"):
+                    a, b = cache["by_turn"][turns][name][key], cold["by_turn"][turns][name][key]
+                    rows.append([rate, f"{label} {key} (ms)", turns, a, b, _ratio(a, b)])
+        for turns in ("first", "later", "all"):
+            a, b = ((cache, cold) if turns == "all" else (cache["by_turn"][turns], cold["by_turn"][turns]))
+            rows.append([rate, "prefix hit rate", turns, a["prefix_hit_rate"], b["prefix_hit_rate"], None])
+        rows.append([rate, "completed turns", "all", f"{cache['completed']}/{cache['completed'] + cache['failed']}",
+                     f"{cold['completed']}/{cold['completed'] + cold['failed']}", None])
+        rows.append([rate, "output tok/s", "all", cache["output_throughput"], cold["output_throughput"],
+                     _ratio(cache["output_throughput"], cold["output_throughput"])])
+    notes = [f"warning (rate {run['request_rate']}): {w}" for run in result["runs"] for w in run["warnings"]]
+    return "\n\n".join([report.markdown_table(headers, rows), *notes])
+
+
+def multi_turn_throughput_table(result: dict) -> str:
+    headers = ["rate", "pass", "conversations done", "turns done", "failed", "duration s", "turns/s",
+               "output tok/s", "prompt tok", "cached tok", "hit rate"]
+    rows = []
+    for run in result["runs"]:
+        for name in PASSES:
+            p = run["passes"][name]
+            rows.append([run["request_rate"], PASS_LABELS[name], f"{p['completed_conversations']}/{p['conversations']}",
+                         p["completed"], p["failed"], p["duration_s"], p["request_throughput"],
+                         p["output_throughput"], p["prompt_tokens"], p["cached_tokens"], p["prefix_hit_rate"]])
+    return report.markdown_table(headers, rows)
+
+
+def plot_multi_turn(result: dict, path: Path) -> Path:
+    """p50 TTFT / TPOT / ITL of first and later turns, with and without caching, per rate."""
+    fig, axes = report.new_figure(ncols=3, width=4.5)
+    groups = [(run, turns) for run in result["runs"] for turns in ("first", "later")]
+    labels = [f"{run['request_rate']:g}/s {turns}" for run, turns in groups]
+    x = np.arange(len(groups))
+    for ax, (name, title) in zip(axes, (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50"), ("itl_ms", "ITL p50"))):
+        for offset, pass_name in ((-0.2, "cache"), (0.2, "no-cache")):
+            values = [run["passes"][pass_name]["by_turn"][turns][name]["p50"] or 0.0 for run, turns in groups]
+            ax.bar(x + offset, values, width=0.4, label=PASS_LABELS[pass_name])
+        ax.set_xticks(x, labels, rotation=30, ha="right")
+        ax.set(title=title, ylabel="ms")
+        ax.legend()
+        ax.grid(alpha=0.3, axis="y")
+    return report.save_figure(fig, path)
+
+
+def write_multi_turn_report(out: Path, meta: dict, opts: ServeBenchOptions, result: dict) -> list[Path]:
+    payload_ = {"meta": meta, "options": asdict(opts), "results": result}
+    conversations = result["conversations"]
+    num_turns = sum(len(c["turns"]) for c in conversations)
+    files = [report.write_json(out / "serve_multi_turn.json", payload_)]
+    files.append(report.write_markdown(out / "serve_multi_turn.md", "Multi-turn serving benchmark", meta, [
+        ("With and without prefix caching", multi_turn_table(result) + (
+            f"\n\n{len(conversations)} ShareGPT conversations ({num_turns} turns, at most {opts.max_turns} each) "
+            f"against {opts.base_url}{opts.endpoint} (model {result['model']}); conversations start at "
+            "Poisson arrivals of the given rate, their turns go one after another, each resending the "
+            "history with the streamed answers. 'Without caching' sends a fresh random cache_salt on "
+            "every request; 'with caching' sends none and runs first. Hit rate = cached / prompt tokens "
+            "(from the usage chunk). A later rate's cached pass may also reuse blocks an earlier rate "
+            "left in the server's cache (see the first-turn hit rate).")),
+        ("Throughput", multi_turn_throughput_table(result)),
+    ]))
+    files.append(plot_multi_turn(result, out / "serve_multi_turn.png"))
     return files

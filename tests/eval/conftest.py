@@ -53,3 +53,25 @@ def sharegpt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("sharegpt") / "sharegpt.json"
     path.write_text(json.dumps(entries))
     return path
+
+
+@pytest.fixture(scope="session")
+def sharegpt_multi_turn_file(tmp_path_factory):
+    """ShareGPT-format conversations of 1 to 4 (human, gpt) turns (`bench serve --multi-turn`)."""
+    import json
+
+    lines = ["for i in range(10):", "print(i * i)", "The quick brown fox jumps over the lazy dog.",
+             "def quicksort(xs):", "Speculative decoding: a draft proposes, the target verifies."]
+    entries = []
+    for i in range(8):
+        turns = 1 + i % 4  # 1, 2, 3, 4 turns: a quarter of them single-turn
+        conversation = []
+        for t in range(turns):
+            conversation += [
+                {"from": "human", "value": f"{lines[(i + t) % 5]} {lines[(i + t + 1) % 5]}"},
+                {"from": "gpt", "value": " ".join(lines[:3])},
+            ]
+        entries.append({"id": f"m{i}", "conversations": conversation})
+    path = tmp_path_factory.mktemp("sharegpt_multi") / "sharegpt_multi.json"
+    path.write_text(json.dumps(entries))
+    return path

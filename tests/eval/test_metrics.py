@@ -10,8 +10,10 @@ from specdec.eval.metrics import (
     acceptance_summary,
     decode_metrics,
     distribution,
+    latency_distributions,
     parse_slos,
     predicted_tau,
+    prefix_cache_usage,
     serving_metrics,
 )
 from specdec.eval.serve_bench import arrival_offsets
@@ -137,3 +139,24 @@ def test_poisson_arrivals_are_seeded_and_have_the_right_rate():
     assert gaps.mean() == pytest.approx(0.25, rel=0.05)
     assert gaps.std() == pytest.approx(0.25, rel=0.1)  # exponential: std == mean
     assert arrival_offsets(3, math.inf, 1.0, np.random.default_rng(0)) == [0.0, 0.0, 0.0]
+
+
+def test_prefix_hit_rate_counts_only_traces_whose_server_reported_cached_tokens():
+    traces = [
+        RequestTrace(0.0, [0.1], [1], prompt_tokens=100, cached_tokens=0),
+        RequestTrace(0.0, [0.1], [1], prompt_tokens=300, cached_tokens=240),
+        RequestTrace(0.0, [0.1], [1], prompt_tokens=500),  # no cached_tokens in its usage
+        RequestTrace(0.0, prompt_tokens=700, cached_tokens=700, success=False),
+    ]
+    usage = prefix_cache_usage(traces)
+    assert usage == {"prompt_tokens": 400, "cached_tokens": 240, "prefix_hit_rate": 0.6, "num_reported": 2}
+    assert prefix_cache_usage(traces[2:])["prefix_hit_rate"] is None
+
+
+def test_latency_distributions_are_the_serving_metrics_ones():
+    traces = [_trace(0.1, 1.1, 11), _trace(0.3, 0.9, 4), RequestTrace(0.0, success=False)]
+    d = latency_distributions(traces, (50, 99))
+    m = serving_metrics(traces, 1.0, percentiles=(50, 99))
+    assert all(d[k] == m[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"))
+    assert d["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert latency_distributions([])["ttft_ms"]["mean"] is None
