@@ -107,6 +107,13 @@ def _machine_reason(cpu_flags: tuple[str, ...]) -> str | None:
 
 
 @functools.cache
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (False where it is unreadable)."""
+    flags = _cpu_flags()
+    return flags is not None and flag in flags
+
+
+@functools.cache
 def _cpu_flags() -> frozenset[str] | None:
     try:
         return frozenset(Path("/proc/cpuinfo").read_text().split())
