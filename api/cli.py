@@ -49,10 +49,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse the KV of earlier requests' identical prompt prefixes")
-    g.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens, metavar="N",
-                   help="tokens per step while any stream decodes: a long prompt is prefilled in "
-                        "chunks that ride beside the running streams' steps (default: "
-                        f"{EngineConfig.max_num_batched_tokens})")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="a fixed cap on the tokens of a step while any stream decodes (a long prompt "
+                        "is prefilled in chunks beside the running streams). Default: chunks sized "
+                        "from measured step times to keep steps within --prefill-gap-ratio")
+    g.add_argument("--prefill-gap-ratio", type=float, default=EngineConfig.prefill_gap_ratio, metavar="R",
+                   help="without --max-num-batched-tokens: a step carrying a prefill chunk takes at "
+                        "most R times a plain decode step (larger: prompts start sooner, streams "
+                        f"stutter more; default {EngineConfig.prefill_gap_ratio})")
     g.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk, metavar="N",
                    help="prefill chunk when no stream is decoding (default: "
                         f"{EngineConfig.max_prefill_chunk})")
@@ -77,6 +81,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft_quant=args.draft_quant,
         enable_prefix_caching=args.prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_gap_ratio=args.prefill_gap_ratio,
         max_prefill_chunk=args.max_prefill_chunk,
     )
 

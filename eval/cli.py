@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench_parser.add_subparsers(dest="bench_command", required=True)
     _add_latency(bench_sub)
     _add_serve(bench_sub)
+    _add_chat(bench_sub)
 
 
 def _common(p: argparse.ArgumentParser, limit: int | None, seed_help: str) -> None:
@@ -116,6 +117,45 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-turns", type=int, default=3, help="turns per conversation with --multi-turn (>= 2)")
     _common(p, 50, "ShareGPT shuffle and arrival-time seed")
     p.set_defaults(func=run_serve, parser=p, words=["specdec", "bench", "serve"])
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat", help="chat latency against a running server: turn-2 TTFT, a stream's gaps while a long prompt arrives",
+        description="Turn 1 pastes ~4,500 characters of Python source, turn 2 resends the history with a "
+                    "follow-up; then a long prompt arrives while another stream runs. Writes chat.json and chat.md.",
+    )
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server address")
+    p.add_argument("--model", default=None, help="model name sent in requests (default: the server's first)")
+    p.add_argument("--max-tokens", type=int, default=64, help="answer length of each turn")
+    p.add_argument("--stream-tokens", type=int, default=4000,
+                   help="cap on the running stream (cancelled once the long prompt's first token is in)")
+    p.add_argument("--warmup-chunks", type=int, default=8, help="stream chunks before the long prompt arrives")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per request")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: results/bench-chat-<UTC timestamp>)")
+    p.set_defaults(func=run_chat, parser=p, words=["specdec", "bench", "chat"])
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from specdec.eval import chat_bench
+    from specdec.eval.report import provenance
+
+    opts = chat_bench.ChatBenchOptions(
+        base_url=args.base_url, model=args.model, max_tokens=args.max_tokens,
+        stream_tokens=args.stream_tokens, warmup_chunks=args.warmup_chunks, timeout=args.timeout,
+    )
+    result = {"meta": provenance(args, args.words), **asyncio.run(chat_bench.run_chat_bench(opts))}
+    out = _out_dir(args, "bench-chat")
+    out.mkdir(parents=True, exist_ok=True)
+    table = chat_bench.markdown(result)
+    (out / "chat.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "chat.md").write_text(table + "\n")
+    print(table)
+    _announce([out / "chat.json", out / "chat.md"])
+    return 0
 
 
 def _missing_data_is_an_error(run):

@@ -141,3 +141,45 @@ class SpeculationPolicy:
             if tokens / seconds > best_rate * 1.0001:  # ties go to the smaller k
                 best_k, best_rate = k, tokens / seconds
         return [min(best_k, cap) for cap in caps]
+
+
+GAP_EMA = 0.2  # weight of a new step time in ChunkSizer's averages
+
+
+class ChunkSizer:
+    """Sizes the prefill chunks that ride beside decoding streams from measured step times.
+
+    A stream's gap between tokens is the step time. A step that only decodes takes `decode_s`
+    (averaged); each prefill token riding along adds `per_token_s` (averaged from mixed steps,
+    beyond `decode_s`). The budget is the most tokens that keep a step within `gap_ratio` times
+    `decode_s`: `(gap_ratio - 1) * decode_s / per_token_s`. The trade-off is exact: a stream
+    whose gaps may grow to r times lets a prompt arriving beside it prefill at (r - 1) / r of its
+    own speed, so r = 3 costs that prompt about 1.5x its time to first token (plus what chunks
+    cost beyond their tokens). It grows at most 2x per step, so a noisy low estimate of
+    `per_token_s` cannot make one step freeze the streams.
+
+    Example: decode steps of 0.15 s, 0.05 s per prefill token, gap_ratio 3 -> 6 tokens per step.
+    """
+
+    def __init__(self, gap_ratio: float, initial: int = 8, most: int = 2048) -> None:
+        if not gap_ratio > 1:
+            raise ValueError(f"the gap ratio must be > 1, got {gap_ratio}")
+        self.gap_ratio, self.most = gap_ratio, most
+        self.decode_s: float | None = None
+        self.per_token_s: float | None = None
+        self.last = initial
+
+    def observe(self, seconds: float, prefill_tokens: int) -> None:
+        """A step that decoded at least one stream took `seconds` with `prefill_tokens` riding along."""
+        ema = lambda old, new: new if old is None else (1 - GAP_EMA) * old + GAP_EMA * new  # noqa: E731
+        if prefill_tokens == 0:
+            self.decode_s = ema(self.decode_s, seconds)
+        elif self.decode_s is not None:
+            self.per_token_s = ema(self.per_token_s, max(seconds - self.decode_s, 0.0) / prefill_tokens)
+
+    def budget(self) -> int:
+        """Prefill tokens the next step may carry beside its decoding streams (at least 1)."""
+        if self.decode_s is not None and self.per_token_s:
+            fits = int((self.gap_ratio - 1) * self.decode_s / self.per_token_s + 1e-6)
+            self.last = max(1, min(fits, 2 * self.last, self.most))
+        return self.last

@@ -39,10 +39,13 @@ class EngineConfig:
     # Automatic prefix caching in both pools: full blocks keyed by their token prefix, kept after
     # their request ends, evicted least recently used when a block is needed.
     enable_prefix_caching: bool = True
-    # Chunked prefill. While any sequence is decoding, a step's target forward carries at most
-    # this many tokens (decode and verify rows included; a prefill chunk takes what is left, at
-    # least MIN_PREFILL_CHUNK), so no running stream waits for a whole prompt. See README.
-    max_num_batched_tokens: int = 64
+    # Chunked prefill: while any sequence decodes, prompts are prefilled in chunks that ride in
+    # the same steps, so no running stream waits for a whole prompt. None (default): each chunk
+    # is sized from measured step times so that a step takes at most `prefill_gap_ratio` times a
+    # plain decode step (`adaptive.ChunkSizer`). A number: a fixed cap on a step's target rows
+    # (decode and verify rows included; a chunk takes the rest, at least MIN_PREFILL_CHUNK).
+    max_num_batched_tokens: int | None = None
+    prefill_gap_ratio: float = 2.5
     # With nothing decoding, prompts are prefilled in chunks of up to this many tokens.
     max_prefill_chunk: int = 2048
     # CPU quantization; None picks per model. On the CPU in bfloat16, where specdec's AVX-512 VNNI
@@ -90,11 +93,12 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_gib must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
-        if self.max_num_batched_tokens < 1 or self.max_prefill_chunk < 1:
-            raise ValueError(
-                "max_num_batched_tokens and max_prefill_chunk must be positive, got "
-                f"{self.max_num_batched_tokens} and {self.max_prefill_chunk}"
-            )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be positive, got {self.max_prefill_chunk}")
+        if not self.prefill_gap_ratio > 1:
+            raise ValueError(f"prefill_gap_ratio must be > 1, got {self.prefill_gap_ratio}")
 
     @property
     def uses_draft_model(self) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from specdec.adaptive import SpeculationPolicy
+from specdec.adaptive import ChunkSizer, SpeculationPolicy
 from specdec.config import EngineConfig
 from specdec.draft import DraftModelProposer, HybridProposer, NgramProposer, Proposer, SamplingTensors
 from specdec.sampling_params import SamplingParams
@@ -65,12 +65,16 @@ class Engine:
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max, self.target.device)
         self.max_model_len = self._max_model_len(draft_runner)
         draft_pool = self.proposer.pool if self.proposer is not None else None
+        self.chunk_sizer = (
+            ChunkSizer(config.prefill_gap_ratio, most=config.max_prefill_chunk)
+            if config.max_num_batched_tokens is None else None
+        )
         self.scheduler = Scheduler(
             self.target.pool, self.target.block_size,
             draft_pool, draft_runner.block_size if draft_runner is not None else 1,
             config.max_num_seqs, self.max_model_len,
             self.proposer.draft_slots_needed if self.proposer is not None else (lambda n, k: 0),
-            ChunkBudget(config.max_num_batched_tokens, config.max_prefill_chunk),
+            ChunkBudget(config.max_num_batched_tokens, config.max_prefill_chunk, self.chunk_sizer),
         )
         for pool in (self.target.pool, draft_pool):
             if pool is not None:
@@ -162,10 +166,18 @@ class Engine:
         Sequences whose prefill chunk stops short of the prompt's end (`fills_only`) ride in the
         same target forward as the others' verify windows and emit nothing this step.
         """
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         self.num_scheduled = len(scheduled)
         if not scheduled:
             return []
+        deltas = self._step(scheduled)
+        if self.chunk_sizer is not None and self.scheduler.num_decoding:
+            self._sync()
+            self.chunk_sizer.observe(time.perf_counter() - start, self.scheduler.num_prefill_tokens)
+        return deltas
+
+    def _step(self, scheduled: list[Sequence]) -> list[StepDelta]:
         fills = [s for s in scheduled if s.fills_only]
         seqs = [s for s in scheduled if not s.fills_only]
         if self.proposer is not None:

@@ -5,19 +5,32 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from specdec.adaptive import ChunkSizer
 from specdec.cache import BlockPool, BlockTable
 from specdec.sequence import Sequence, SequenceStatus
 
 
-MIN_PREFILL_CHUNK = 16  # a prefill advances at least this much per step, however busy decoding is
+MIN_PREFILL_CHUNK = 16  # with a fixed budget, a prefill advances this much per step however busy decoding is
 
 
-@dataclass(frozen=True)
+@dataclass
 class ChunkBudget:
-    """Tokens a step's target forward may carry (see `EngineConfig.max_num_batched_tokens`)."""
+    """Prefill tokens a step's target forward may carry.
 
-    while_decoding: int = 64  # when any scheduled sequence decodes
-    alone: int = 2048  # when every scheduled sequence prefills
+    While any scheduled sequence decodes: a fixed `max_num_batched_tokens` for all of the
+    forward's rows (decode and verify rows first, prefill the rest, at least MIN_PREFILL_CHUNK),
+    or, when that is None, what `sizer` measures keeps the streams' gaps in bounds. With nothing
+    decoding, chunks of `alone` tokens.
+    """
+
+    max_num_batched_tokens: int | None = None
+    alone: int = 2048
+    sizer: ChunkSizer | None = None
+
+    def beside_decoding(self, decode_rows: int) -> int:
+        if self.max_num_batched_tokens is not None:
+            return max(self.max_num_batched_tokens - decode_rows, MIN_PREFILL_CHUNK)
+        return self.sizer.budget() if self.sizer is not None else MIN_PREFILL_CHUNK
 
 
 class Scheduler:
@@ -47,14 +60,16 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         draft_slots_needed,
-        budget: ChunkBudget = ChunkBudget(),
+        budget: ChunkBudget | None = None,
     ) -> None:
         self.target_pool, self.draft_pool = target_pool, draft_pool
         self.target_block_size, self.draft_block_size = target_block_size, draft_block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.draft_slots_needed = draft_slots_needed
-        self.budget = budget
+        self.budget = budget or ChunkBudget(MIN_PREFILL_CHUNK)
+        self.num_decoding = 0  # of the latest schedule: sequences decoding, prefill tokens fed
+        self.num_prefill_tokens = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -75,8 +90,10 @@ class Scheduler:
         """Sequences to run this step, each with its chunk set and slots for it in both pools."""
         scheduled: list[Sequence] = []
         decoding = [s for s in self.running if s.num_pending <= 1]
-        budget = self.budget.while_decoding if decoding else self.budget.alone
-        left = budget - sum(1 + self.num_draft(s) for s in decoding)
+        if decoding:
+            left = self.budget.beside_decoding(sum(1 + self.num_draft(s) for s in decoding))
+        else:
+            left = self.budget.alone
         pending = list(self.running)
         while pending:
             seq = pending.pop(0)
@@ -99,6 +116,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
+        self.num_decoding = sum(1 for s in scheduled if s.num_pending <= 1)
+        self.num_prefill_tokens = sum(s.num_new_tokens for s in scheduled if s.num_pending > 1)
         return scheduled
 
     def _set_chunk(self, seq: Sequence, left: int) -> int:
@@ -107,7 +126,7 @@ class Scheduler:
         if pending <= 1:
             seq.num_new_tokens, seq.num_draft_fill = pending, 0
             return 0
-        chunk = min(pending, max(left, MIN_PREFILL_CHUNK))
+        chunk = min(pending, max(left, 1))
         seq.num_new_tokens = chunk
         draft = seq.draft_table
         # the draft keeps at least one token for the catch-up forward that yields its logits

@@ -155,3 +155,25 @@ def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     drafted = [n for n in drafted if n]
     assert drafted and (max(drafted) == 1) == stops
+
+
+def test_chunk_sizer_keeps_steps_within_the_gap_ratio():
+    """Decode steps of 150 ms and 50 ms per prefill token: at ratio 3, 6 tokens fill the 300 ms
+    a step may add; the budget climbs there at most 2x per step and follows a slower machine."""
+    from specdec.adaptive import ChunkSizer
+
+    sizer = ChunkSizer(gap_ratio=3.0, initial=1)
+    assert sizer.budget() == 1  # nothing measured yet
+    sizer.observe(0.15, 0)
+    budgets = []
+    for _ in range(8):
+        chunk = sizer.budget()
+        budgets.append(chunk)
+        sizer.observe(0.15 + 0.05 * chunk, chunk)
+    assert budgets[:4] == [1, 2, 4, 6] and budgets[-1] == 6
+    for _ in range(30):  # prefill tokens get 4x dearer: the chunk shrinks to fit
+        chunk = sizer.budget()
+        sizer.observe(0.15 + 0.2 * chunk, chunk)
+    assert sizer.budget() == 1
+    with pytest.raises(ValueError, match="gap ratio"):
+        ChunkSizer(gap_ratio=1.0)
