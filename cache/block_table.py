@@ -135,8 +135,6 @@ class BlockTable:
             self.block_keys.append(key)
             parent = key
         self.num_computed = self.num_frozen_tokens
-        self.pool.stats.queried_tokens += len(token_ids)
-        self.pool.stats.hit_tokens += self.num_computed
         return self.num_computed
 
     def cache_full_blocks(self, token_ids: list[int]) -> None:

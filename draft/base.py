@@ -66,7 +66,12 @@ class Proposer(Protocol):
     pool: BlockPool | None  # the proposer's own KV pool, if it has one
 
     def fill(self, seqs: list[DraftSequence]) -> None:
-        """Feed prefill chunks to the proposer's cache (`num_draft_fill` tokens per sequence)."""
+        """Queue prefill chunks for the proposer's cache (`num_draft_fill` tokens per sequence);
+        its next forward in this step, or `flush`, feeds them."""
+        ...
+
+    def flush(self) -> None:
+        """Feed what `fill` queued if no forward of this step did."""
         ...
 
     def propose(

@@ -53,6 +53,9 @@ class HybridProposer:
     def fill(self, seqs: list[DraftSequence]) -> None:
         self.model.fill(seqs)
 
+    def flush(self) -> None:
+        self.model.flush()
+
     def propose(
         self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors,
         lookup_limits: list[int] | None = None,

@@ -30,6 +30,9 @@ class NgramProposer:
     def fill(self, seqs: list[DraftSequence]) -> None:
         """No cache to fill."""
 
+    def flush(self) -> None:
+        """Nothing queued."""
+
     def propose(
         self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
     ) -> DraftOutput:

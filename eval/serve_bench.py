@@ -361,7 +361,7 @@ def fresh_salt() -> str:
 
 async def run_conversation(
     client, opts: ServeBenchOptions, model: str, index: int, conversation: Conversation, salted: bool,
-    count_tokens, bar,
+    count_tokens, bar, pass_salt: str | None = None,
 ) -> list[TurnTrace]:
     """Send a conversation's turns in order, each with the whole history so far: every earlier
     message and the answer the server streamed for it. After a failed turn the rest are failed
@@ -375,7 +375,7 @@ async def run_conversation(
             bar.update(1)
             continue
         messages.append({"role": "user", "content": turn.prompt})
-        body = chat_payload(opts, model, list(messages), turn.output_len, fresh_salt() if salted else None)
+        body = chat_payload(opts, model, list(messages), turn.output_len, fresh_salt() if salted else pass_salt)
         trace = RequestTrace(time.perf_counter())
         answer, usage = await stream_request(client, opts.endpoint, body, trace)
         prompt_tokens = (usage or {}).get("prompt_tokens")
@@ -393,7 +393,10 @@ async def run_pass(
     client, opts: ServeBenchOptions, model: str, conversations: list[Conversation], rate: float,
     salted: bool, count_tokens, bar,
 ) -> dict:
-    """Every conversation once, starting at Poisson arrivals (the same offsets in every pass)."""
+    """Every conversation once, starting at Poisson arrivals (the same offsets in every pass).
+    Unsalted requests share one salt per pass: they reuse each other's prefixes but nothing an
+    earlier pass or rate left in the cache."""
+    pass_salt = fresh_salt()
     offsets = arrival_offsets(len(conversations), rate, opts.burstiness, np.random.default_rng(opts.seed))
     limit = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
     start = time.perf_counter()
@@ -401,9 +404,9 @@ async def run_pass(
     async def one(index: int, conversation: Conversation, offset: float) -> list[TurnTrace]:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
         if limit is None:
-            return await run_conversation(client, opts, model, index, conversation, salted, count_tokens, bar)
+            return await run_conversation(client, opts, model, index, conversation, salted, count_tokens, bar, pass_salt)
         async with limit:
-            return await run_conversation(client, opts, model, index, conversation, salted, count_tokens, bar)
+            return await run_conversation(client, opts, model, index, conversation, salted, count_tokens, bar, pass_salt)
 
     done = await asyncio.gather(*(one(i, c, o) for i, (c, o) in enumerate(zip(conversations, offsets))))
     duration = time.perf_counter() - start
@@ -470,9 +473,6 @@ async def run_multi_turn_all(opts: ServeBenchOptions, conversations: list[Conver
                     passes[name] = await run_pass(
                         client, opts, model, conversations, rate, name == "no-cache", count_tokens, bar)
                 warnings = pass_warnings(passes)
-                if runs:
-                    warnings.append("the cached pass may also have reused blocks the earlier rates' cached "
-                                    "passes left in the server (compare the first-turn hit rates)")
                 runs.append({"request_rate": rate, "passes": passes, "warnings": warnings})
     return {"model": model, "multi_turn": True, "runs": runs}
 
@@ -567,9 +567,9 @@ def write_multi_turn_report(out: Path, meta: dict, opts: ServeBenchOptions, resu
             f"against {opts.base_url}{opts.endpoint} (model {result['model']}); conversations start at "
             "Poisson arrivals of the given rate, their turns go one after another, each resending the "
             "history with the streamed answers. 'Without caching' sends a fresh random cache_salt on "
-            "every request; 'with caching' sends none and runs first. Hit rate = cached / prompt tokens "
-            "(from the usage chunk). A later rate's cached pass may also reuse blocks an earlier rate "
-            "left in the server's cache (see the first-turn hit rate).")),
+            "every request; 'with caching' sends one salt shared by all its requests (a fresh one per pass, "
+            "so it reuses nothing an earlier pass left) and runs first. Hit rate = cached / prompt "
+            "tokens (from the usage chunk).")),
         ("Throughput", multi_turn_throughput_table(result)),
     ]))
     files.append(plot_multi_turn(result, out / "serve_multi_turn.png"))

@@ -150,36 +150,38 @@ class ChunkSizer:
     """Sizes the prefill chunks that ride beside decoding streams from measured step times.
 
     A stream's gap between tokens is the step time. A step that only decodes takes `decode_s`
-    (averaged); each prefill token riding along adds `per_token_s` (averaged from mixed steps,
-    beyond `decode_s`). The budget is the most tokens that keep a step within `gap_ratio` times
-    `decode_s`: `(gap_ratio - 1) * decode_s / per_token_s`. The trade-off is exact: a stream
-    whose gaps may grow to r times lets a prompt arriving beside it prefill at (r - 1) / r of its
-    own speed, so r = 3 costs that prompt about 1.5x its time to first token (plus what chunks
-    cost beyond their tokens). It grows at most 2x per step, so a noisy low estimate of
-    `per_token_s` cannot make one step freeze the streams.
+    (averaged); a prompt token costs `per_token_s`, measured on steps that only prefill (at least
+    `MIN_MEASURED_TOKENS` tokens: a chunk beside decoding rows costs the same per token, but its
+    step time also moves with the streams' k, which must not be charged to the chunk). The budget
+    is the most tokens that keep a step within `gap_ratio` times `decode_s`:
+    `(gap_ratio - 1) * decode_s / per_token_s`. The trade-off is exact: a stream whose gaps may
+    grow to r times lets a prompt arriving beside it prefill at (r - 1) / r of its own speed, so
+    r = 3 costs that prompt about 1.5x its time to first token (plus what chunks cost beyond their
+    tokens). Until both are measured the budget is `initial`.
 
-    Example: decode steps of 0.15 s, 0.05 s per prefill token, gap_ratio 3 -> 6 tokens per step.
+    Example: decode steps of 0.15 s, 0.05 s per prompt token, gap_ratio 3 -> 6 tokens per step.
     """
+
+    MIN_MEASURED_TOKENS = 16
 
     def __init__(self, gap_ratio: float, initial: int = 8, most: int = 2048) -> None:
         if not gap_ratio > 1:
             raise ValueError(f"the gap ratio must be > 1, got {gap_ratio}")
-        self.gap_ratio, self.most = gap_ratio, most
+        self.gap_ratio, self.initial, self.most = gap_ratio, initial, most
         self.decode_s: float | None = None
         self.per_token_s: float | None = None
-        self.last = initial
 
-    def observe(self, seconds: float, prefill_tokens: int) -> None:
-        """A step that decoded at least one stream took `seconds` with `prefill_tokens` riding along."""
+    def observe(self, seconds: float, prefill_tokens: int, decoding: bool) -> None:
+        """A step took `seconds`; it fed `prefill_tokens` prompt tokens and decoded streams or not."""
         ema = lambda old, new: new if old is None else (1 - GAP_EMA) * old + GAP_EMA * new  # noqa: E731
-        if prefill_tokens == 0:
+        if decoding and prefill_tokens == 0:
             self.decode_s = ema(self.decode_s, seconds)
-        elif self.decode_s is not None:
-            self.per_token_s = ema(self.per_token_s, max(seconds - self.decode_s, 0.0) / prefill_tokens)
+        elif not decoding and prefill_tokens >= self.MIN_MEASURED_TOKENS:
+            self.per_token_s = ema(self.per_token_s, seconds / prefill_tokens)
 
     def budget(self) -> int:
         """Prefill tokens the next step may carry beside its decoding streams (at least 1)."""
-        if self.decode_s is not None and self.per_token_s:
-            fits = int((self.gap_ratio - 1) * self.decode_s / self.per_token_s + 1e-6)
-            self.last = max(1, min(fits, 2 * self.last, self.most))
-        return self.last
+        if self.decode_s is None or not self.per_token_s:
+            return self.initial
+        fits = int((self.gap_ratio - 1) * self.decode_s / self.per_token_s + 1e-6)
+        return max(1, min(fits, self.most))

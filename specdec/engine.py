@@ -21,6 +21,7 @@ from specdec.verify import AcceptanceStats, rejection_sample, warp_probs
 
 
 MAX_PRICED_LAG = 8
+MAX_CATCH_UP = 16  # draft-cache tokens fed in one catch-up (see Engine._catch_up_first)
 LOOKUP_MIN_TOKENS = 4  # hybrid: prompt lookup may propose this many even where the policy drafts fewer
 
 
@@ -172,25 +173,32 @@ class Engine:
         if not scheduled:
             return []
         deltas = self._step(scheduled)
-        if self.chunk_sizer is not None and self.scheduler.num_decoding:
+        if self.chunk_sizer is not None:
             self._sync()
-            self.chunk_sizer.observe(time.perf_counter() - start, self.scheduler.num_prefill_tokens)
+            self.chunk_sizer.observe(
+                time.perf_counter() - start, self.scheduler.num_prefill_tokens, self.scheduler.num_decoding > 0
+            )
         return deltas
 
     def _step(self, scheduled: list[Sequence]) -> list[StepDelta]:
         fills = [s for s in scheduled if s.fills_only]
         seqs = [s for s in scheduled if not s.fills_only]
-        if self.proposer is not None:
-            self.proposer.fill(scheduled)  # the draft's cache takes the same prompt stretch
         fill_windows = [self._fill_window(s) for s in fills]
         if not seqs:
+            if self.proposer is not None:
+                self.proposer.fill(scheduled)  # the draft's cache takes the same prompt stretch
+                self.proposer.flush()
             self.target.forward(fill_windows)
             self._cache_full_blocks(fills)
             return []
         sampling = self._sampling_tensors(seqs)
         fill_rows = sum(s.num_new_tokens for s in fills)
         ks, caps = self._choose_k(seqs, fill_rows)
+        if self.proposer is not None:
+            self.proposer.fill(scheduled)  # prompt stretches and draft catch-ups (see _choose_k)
         num_draft, draft_ids, draft_probs, model_rows = self._propose(seqs, ks, caps, sampling)
+        if self.proposer is not None:
+            self.proposer.flush()  # fills that no draft forward took along
         windows = [self._verify_window(s, draft_ids[b, : num_draft[b]]) for b, s in enumerate(seqs)]
         start = time.perf_counter()
         logits = self.target.forward(windows + fill_windows)  # [sum(n_b + 1), V]
@@ -234,10 +242,10 @@ class Engine:
         caps = [self.scheduler.num_draft(s) for s in seqs]
         if self.proposer is not None and self.proposer.pool is not None:  # a draft model
             # A sequence's prefill step does not draft: its first token comes after the target's
-            # prefill alone (TTFT), and the draft's prefill moves to the next step.
-            caps = [0 if s.num_tokens - s.target_table.num_computed > 1 else k for s, k in zip(seqs, caps)]
+            # prefill alone (TTFT), and the draft's cache is fed the same stretch beside it.
+            caps = [0 if s.num_pending > 1 else k for s, k in zip(seqs, caps)]
         if self.policy is None:
-            return caps, caps
+            return [self._catch_up_first(s, k) for s, k in zip(seqs, caps)], caps
         # A draft cache that lags by the whole prompt must catch up once, whatever k. For a lone
         # sequence pricing that would keep speculation off forever, so its lag is priced up to a
         # few rows; a batch pays the whole catch-up it would cause (at 4 streams, prefilling the
@@ -246,12 +254,25 @@ class Engine:
         if len(seqs) == 1:
             lags = [min(MAX_PRICED_LAG, lag) for lag in lags]
         ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags, fill_rows)
+        ks = [self._catch_up_first(s, k) for s, k in zip(seqs, ks)]
         if self.config.uses_draft_model and self.config.draft_stop_confidence > 0:
             # The policy decides whether drafting pays; the draft's confidence decides how far
             # (early stop), which beats the policy's length from an average acceptance: on 10
             # HumanEval prompts 31.7 vs 29.8 modeled tok/s (cap 8, stop 0.5).
             ks = [cap if k else 0 for k, cap in zip(ks, caps)]
         return ks, caps
+
+    @staticmethod
+    def _catch_up_first(seq: Sequence, k: int) -> int:
+        """A sequence about to draft whose draft cache fell behind by more than MAX_CATCH_UP
+        tokens (many steps without drafting) is fed a chunk of them this step instead
+        (`num_draft_fill`), and drafts once caught up: one catch-up forward over hundreds of
+        tokens would stall every stream of the step."""
+        lag = seq.num_tokens - 1 - seq.draft_table.num_computed if seq.draft_table is not None else 0
+        if k == 0 or lag <= MAX_CATCH_UP:
+            return k
+        seq.num_draft_fill = min(lag, MAX_CATCH_UP)
+        return 0
 
     def _propose(
         self, seqs: list[Sequence], ks: list[int], caps: list[int], sampling: SamplingTensors

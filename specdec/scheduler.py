@@ -163,6 +163,10 @@ class Scheduler:
         if self._reserve(seq):
             if seq.num_cached_tokens is None:  # first admission: what the prompt found cached
                 seq.num_cached_tokens, seq.num_draft_cached_tokens = hit, draft_hit
+            for pool, found in ((self.target_pool, hit), (self.draft_pool, draft_hit)):
+                if pool is not None:  # counted once per admission, not per attempt
+                    pool.stats.queried_tokens += seq.num_tokens
+                    pool.stats.hit_tokens += found
             return True
         self._release(seq)
         return False

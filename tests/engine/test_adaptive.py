@@ -158,22 +158,21 @@ def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops
 
 
 def test_chunk_sizer_keeps_steps_within_the_gap_ratio():
-    """Decode steps of 150 ms and 50 ms per prefill token: at ratio 3, 6 tokens fill the 300 ms
-    a step may add; the budget climbs there at most 2x per step and follows a slower machine."""
+    """Decode steps of 150 ms and 50 ms per prompt token (measured on a prefill-only step): at
+    ratio 3, 6 tokens fill the 300 ms a step may add. Mixed steps, whose time also moves with the
+    streams' k, change nothing; a dearer prompt token shrinks the chunk."""
     from specdec.adaptive import ChunkSizer
 
-    sizer = ChunkSizer(gap_ratio=3.0, initial=1)
-    assert sizer.budget() == 1  # nothing measured yet
-    sizer.observe(0.15, 0)
-    budgets = []
-    for _ in range(8):
-        chunk = sizer.budget()
-        budgets.append(chunk)
-        sizer.observe(0.15 + 0.05 * chunk, chunk)
-    assert budgets[:4] == [1, 2, 4, 6] and budgets[-1] == 6
-    for _ in range(30):  # prefill tokens get 4x dearer: the chunk shrinks to fit
-        chunk = sizer.budget()
-        sizer.observe(0.15 + 0.2 * chunk, chunk)
+    sizer = ChunkSizer(gap_ratio=3.0, initial=8)
+    sizer.observe(0.15, 0, decoding=True)
+    assert sizer.budget() == 8  # no prompt token priced yet
+    sizer.observe(0.05 * 200, 200, decoding=False)
+    assert sizer.budget() == 6
+    sizer.observe(5.0, 6, decoding=True)  # a mixed step with a long speculative window
+    sizer.observe(0.05, 4, decoding=False)  # too small a prefill to price a token
+    assert sizer.budget() == 6
+    for _ in range(40):
+        sizer.observe(0.2 * 200, 200, decoding=False)
     assert sizer.budget() == 1
     with pytest.raises(ValueError, match="gap ratio"):
         ChunkSizer(gap_ratio=1.0)

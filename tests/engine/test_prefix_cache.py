@@ -166,3 +166,33 @@ def test_a_running_stream_keeps_decoding_while_a_long_prompt_is_chunked(pair, re
         engine.step()
     plain = make_engine(target, enable_prefix_caching=False)
     assert engine.output(engine._sequences[late]).token_ids == outputs(plain, [long_prompt])[0]
+
+
+def test_a_lagging_draft_cache_catches_up_in_chunks(pair):
+    """After many steps without drafting the draft cache lags far behind; it is fed in chunks
+    beside the steps (no drafting meanwhile), never in one forward that would stall the stream."""
+    from specdec.engine import MAX_CATCH_UP
+
+    target, draft = pair
+    engine = make_engine(target, draft, num_speculative_tokens=3, adaptive_k=True, draft_stop_confidence=0.0)
+    choose = engine.policy.choose_k
+    drafting = {"on": False}
+    engine.policy.choose_k = lambda rates, caps, lags=None, fill_rows=0: (
+        choose(rates, caps, lags, fill_rows) and caps if drafting["on"] else [0] * len(caps))
+    rows = []
+    forward = engine.proposer.runner.forward
+    engine.proposer.runner.forward = lambda windows: rows.append(sum(len(w.token_ids) for w in windows)) or forward(windows)
+    params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+    rid = engine.add_request([40, 41, 42], params)
+    for _ in range(50):
+        engine.step()
+    seq = engine._sequences[rid]
+    assert seq.num_tokens - seq.draft_table.num_computed > 3 * MAX_CATCH_UP  # lagging far
+    rows.clear()
+    drafting["on"] = True
+    while engine.has_unfinished():
+        engine.step()
+    assert rows and max(rows) <= MAX_CATCH_UP + 1
+    assert engine.stats.num_draft_tokens > 0  # it drafted once caught up
+    plain = make_engine(target, enable_prefix_caching=False)
+    assert engine.output(seq).token_ids == outputs(plain, [[40, 41, 42]], params)[0]
