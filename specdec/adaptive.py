@@ -150,34 +150,40 @@ class ChunkSizer:
     """Sizes the prefill chunks that ride beside decoding streams from measured step times.
 
     A stream's gap between tokens is the step time. A step that only decodes takes `decode_s`
-    (averaged); a prompt token costs `per_token_s`, measured on steps that only prefill (at least
-    `MIN_MEASURED_TOKENS` tokens: a chunk beside decoding rows costs the same per token, but its
-    step time also moves with the streams' k, which must not be charged to the chunk). The budget
-    is the most tokens that keep a step within `gap_ratio` times `decode_s`:
-    `(gap_ratio - 1) * decode_s / per_token_s`. The trade-off is exact: a stream whose gaps may
-    grow to r times lets a prompt arriving beside it prefill at (r - 1) / r of its own speed, so
-    r = 3 costs that prompt about 1.5x its time to first token (plus what chunks cost beyond their
-    tokens). Until both are measured the budget is `initial`.
+    on average; a prompt token riding along adds `per_token_s`: the step's time beyond what a
+    decode-only step with the same verify rows takes (`decode_by_rows`, since a step's time also
+    moves with the streams' k, which must not be charged to the chunk), or a prefill-only step's
+    time per token. The budget is the most tokens that keep a step within `gap_ratio` times
+    `decode_s`: `(gap_ratio - 1) * decode_s / per_token_s`. The trade-off is exact: a stream
+    whose gaps may grow to r times lets a prompt arriving beside it prefill at (r - 1) / r of its
+    own speed, so r = 3 costs that prompt about 1.5x its time to first token (plus what chunks
+    cost beyond their tokens). Until both are measured the budget is `initial`.
 
     Example: decode steps of 0.15 s, 0.05 s per prompt token, gap_ratio 3 -> 6 tokens per step.
     """
-
-    MIN_MEASURED_TOKENS = 16
 
     def __init__(self, gap_ratio: float, initial: int = 8, most: int = 2048) -> None:
         if not gap_ratio > 1:
             raise ValueError(f"the gap ratio must be > 1, got {gap_ratio}")
         self.gap_ratio, self.initial, self.most = gap_ratio, initial, most
         self.decode_s: float | None = None
+        self.decode_by_rows = CostTable(prior=None)  # decode-only step seconds by verify rows
         self.per_token_s: float | None = None
 
-    def observe(self, seconds: float, prefill_tokens: int, decoding: bool) -> None:
-        """A step took `seconds`; it fed `prefill_tokens` prompt tokens and decoded streams or not."""
+    def observe(self, seconds: float, prefill_tokens: int, verify_rows: int) -> None:
+        """A step took `seconds` to feed `prefill_tokens` prompt tokens beside `verify_rows` rows
+        of decoding streams (their windows: last token + drafts)."""
         ema = lambda old, new: new if old is None else (1 - GAP_EMA) * old + GAP_EMA * new  # noqa: E731
-        if decoding and prefill_tokens == 0:
-            self.decode_s = ema(self.decode_s, seconds)
-        elif not decoding and prefill_tokens >= self.MIN_MEASURED_TOKENS:
+        if prefill_tokens == 0:
+            if verify_rows:
+                self.decode_s = ema(self.decode_s, seconds)
+                self.decode_by_rows.observe(verify_rows, seconds)
+            return
+        if verify_rows == 0:
             self.per_token_s = ema(self.per_token_s, seconds / prefill_tokens)
+        elif self.decode_by_rows.seconds:
+            extra = max(seconds - self.decode_by_rows(verify_rows), 0.0)
+            self.per_token_s = ema(self.per_token_s, extra / prefill_tokens)
 
     def budget(self) -> int:
         """Prefill tokens the next step may carry beside its decoding streams (at least 1)."""

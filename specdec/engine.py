@@ -80,6 +80,7 @@ class Engine:
         for pool in (self.target.pool, draft_pool):
             if pool is not None:
                 pool.enable_caching = config.enable_prefix_caching
+        self._verify_rows = 0
         self.num_scheduled = 0  # sequences the latest step ran (a step may emit nothing: prefill chunks)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -175,15 +176,14 @@ class Engine:
         deltas = self._step(scheduled)
         if self.chunk_sizer is not None:
             self._sync()
-            self.chunk_sizer.observe(
-                time.perf_counter() - start, self.scheduler.num_prefill_tokens, self.scheduler.num_decoding > 0
-            )
+            self.chunk_sizer.observe(time.perf_counter() - start, self.scheduler.num_prefill_tokens, self._verify_rows)
         return deltas
 
     def _step(self, scheduled: list[Sequence]) -> list[StepDelta]:
         fills = [s for s in scheduled if s.fills_only]
         seqs = [s for s in scheduled if not s.fills_only]
         fill_windows = [self._fill_window(s) for s in fills]
+        self._verify_rows = 0  # rows of decoding sequences' windows in this step's target forward
         if not seqs:
             if self.proposer is not None:
                 self.proposer.fill(scheduled)  # the draft's cache takes the same prompt stretch
@@ -195,11 +195,12 @@ class Engine:
         fill_rows = sum(s.num_new_tokens for s in fills)
         ks, caps = self._choose_k(seqs, fill_rows)
         if self.proposer is not None:
-            self.proposer.fill(scheduled)  # prompt stretches and draft catch-ups (see _choose_k)
+            self._fill_draft(scheduled, ks)
         num_draft, draft_ids, draft_probs, model_rows = self._propose(seqs, ks, caps, sampling)
         if self.proposer is not None:
             self.proposer.flush()  # fills that no draft forward took along
         windows = [self._verify_window(s, draft_ids[b, : num_draft[b]]) for b, s in enumerate(seqs)]
+        self._verify_rows = sum(len(w.token_ids) for w, s in zip(windows, seqs) if s.num_pending <= 1)
         start = time.perf_counter()
         logits = self.target.forward(windows + fill_windows)  # [sum(n_b + 1), V]
         if self.policy is not None:
@@ -221,6 +222,17 @@ class Engine:
         return [
             self._commit(s, token_rows[b], accepted[b], num_draft[b]) for b, s in enumerate(seqs)
         ]
+
+    def _fill_draft(self, scheduled: list[Sequence], ks: list[int]) -> None:
+        """Queue the draft cache's share of this step: catch-ups (see `_catch_up_first`) always;
+        the prompt stretches of prefilling sequences only where a draft forward runs anyway. A
+        forward of its own would add its fixed cost (most of a one-row draft forward) to a step
+        that streams are waiting on; a draft left behind catches up in chunks once it drafts."""
+        catching_up = any(s.num_draft_fill for s in scheduled if s.num_pending <= 1)
+        if not any(ks) and not catching_up:
+            for seq in scheduled:
+                seq.num_draft_fill = 0
+        self.proposer.fill(scheduled)
 
     @staticmethod
     def _fill_window(seq: Sequence) -> Window:

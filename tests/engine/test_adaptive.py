@@ -158,21 +158,24 @@ def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops
 
 
 def test_chunk_sizer_keeps_steps_within_the_gap_ratio():
-    """Decode steps of 150 ms and 50 ms per prompt token (measured on a prefill-only step): at
-    ratio 3, 6 tokens fill the 300 ms a step may add. Mixed steps, whose time also moves with the
-    streams' k, change nothing; a dearer prompt token shrinks the chunk."""
+    """Decode steps of 150 ms (one row) and 50 ms per prompt token: at ratio 3, 6 tokens fill
+    the 300 ms a step may add. A mixed step is charged only beyond a decode step with the same
+    verify rows (a long speculative window is not the chunk's cost); dearer tokens shrink it."""
     from specdec.adaptive import ChunkSizer
 
     sizer = ChunkSizer(gap_ratio=3.0, initial=8)
-    sizer.observe(0.15, 0, decoding=True)
+    sizer.observe(0.15, 0, verify_rows=1)
+    sizer.observe(0.60, 0, verify_rows=6)  # speculative steps: k = 5
+    sizer.observe(0.15, 0, verify_rows=1)
     assert sizer.budget() == 8  # no prompt token priced yet
-    sizer.observe(0.05 * 200, 200, decoding=False)
-    assert sizer.budget() == 6
-    sizer.observe(5.0, 6, decoding=True)  # a mixed step with a long speculative window
-    sizer.observe(0.05, 4, decoding=False)  # too small a prefill to price a token
-    assert sizer.budget() == 6
+    decode_s = sizer.decode_s
+    sizer.observe(0.60 + 0.05 * 4, 4, verify_rows=6)  # a chunk of 4 beside a k = 5 window
+    assert sizer.per_token_s == pytest.approx(0.05)
+    assert sizer.budget() == int(2 * decode_s / 0.05)
     for _ in range(40):
-        sizer.observe(0.2 * 200, 200, decoding=False)
+        sizer.observe(0.15 + 0.5 * 4, 4, verify_rows=1)
     assert sizer.budget() == 1
+    sizer.observe(0.05 * 200, 200, verify_rows=0)  # a prefill-only step prices tokens too
+    assert sizer.per_token_s < 0.5
     with pytest.raises(ValueError, match="gap ratio"):
         ChunkSizer(gap_ratio=1.0)
