@@ -119,21 +119,18 @@ class SpeculationPolicy:
             return self.draft_cost(rows)
         return DRAFT_PRIOR_RATIO * self.verify_cost(rows)
 
-    def choose_k(
-        self, rates: list[float], caps: list[int], lags: list[int] | None = None, fill_rows: int = 0
-    ) -> list[int]:
+    def choose_k(self, rates: list[float], caps: list[int], lags: list[int] | None = None) -> list[int]:
         """Each sequence's k (<= its cap) maximizing the batch's expected tokens per second.
 
         `lags[b]`: tokens sequence b's draft cache lacks (1 normally; more after steps without
         drafting), all fed in the first draft forward; then k - 1 forwards of one row each.
-        `fill_rows`: prefill-chunk rows of other sequences riding in the same target forward.
         """
         lags = lags or [1] * len(caps)
         best_k, best_rate = 0, 0.0
         for k in range(max(caps, default=0) + 1):
             ks = [min(k, cap) for cap in caps]
             tokens = sum(expected_tokens(a, kk) for a, kk in zip(rates, ks))
-            seconds = self.verify_cost(sum(ks) + len(ks) + fill_rows)
+            seconds = self.verify_cost(sum(ks) + len(ks))
             if k:
                 drafting = [b for b, kk in enumerate(ks) if kk]
                 seconds += self.draft_forward_cost(sum(max(1, lags[b]) for b in drafting))

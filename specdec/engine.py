@@ -193,7 +193,7 @@ class Engine:
             return []
         sampling = self._sampling_tensors(seqs)
         fill_rows = sum(s.num_new_tokens for s in fills)
-        ks, caps = self._choose_k(seqs, fill_rows)
+        ks, caps = self._choose_k(seqs)
         if self.proposer is not None:
             self._fill_draft(scheduled, ks)
         num_draft, draft_ids, draft_probs, model_rows = self._propose(seqs, ks, caps, sampling)
@@ -248,9 +248,13 @@ class Engine:
                 if table is not None:
                     table.cache_full_blocks(seq.token_ids)
 
-    def _choose_k(self, seqs: list[Sequence], fill_rows: int = 0) -> tuple[list[int], list[int]]:
-        """This step's k per sequence (the policy's pick) and its cap (what slots allow);
-        `fill_rows` prefill-chunk rows ride in the same target forward."""
+    def _choose_k(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """This step's k per sequence (the policy's pick) and its cap (what slots allow).
+
+        Prefill chunks riding in the step are not priced here: with per-row costs they add the
+        same to every k, and counting them in a tokens-per-second objective would make drafting
+        look cheaper exactly when a step is already long (measured: the stream drafted k = 5
+        beside each chunk and its steps grew 6x). The cost tables still observe those steps."""
         caps = [self.scheduler.num_draft(s) for s in seqs]
         if self.proposer is not None and self.proposer.pool is not None:  # a draft model
             # A sequence's prefill step does not draft: its first token comes after the target's
@@ -265,7 +269,7 @@ class Engine:
         lags = [s.num_tokens - s.draft_table.num_computed if s.draft_table else 1 for s in seqs]
         if len(seqs) == 1:
             lags = [min(MAX_PRICED_LAG, lag) for lag in lags]
-        ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags, fill_rows)
+        ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags)
         ks = [self._catch_up_first(s, k) for s, k in zip(seqs, ks)]
         if self.config.uses_draft_model and self.config.draft_stop_confidence > 0:
             # The policy decides whether drafting pays; the draft's confidence decides how far

@@ -129,7 +129,7 @@ def test_a_batch_pays_its_whole_draft_catch_up_and_a_lone_sequence_a_few_rows(pa
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True)
     seen = []
     choose = engine.policy.choose_k
-    engine.policy.choose_k = lambda rates, caps, lags=None, fill_rows=0: seen.append((len(caps), lags)) or choose(rates, caps, lags, fill_rows)
+    engine.policy.choose_k = lambda rates, caps, lags=None: seen.append((len(caps), lags)) or choose(rates, caps, lags)
     long_prompts = [list(range(3, 3 + 20)), list(range(30, 30 + 20))]
     engine.generate(long_prompts, GREEDY)
     engine.generate(long_prompts[:1], GREEDY)
@@ -148,7 +148,7 @@ def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops
     reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True,
                          draft_stop_confidence=stop_below)
-    engine.policy.choose_k = lambda rates, caps, lags=None, fill_rows=0: caps  # always draft
+    engine.policy.choose_k = lambda rates, caps, lags=None: caps  # always draft
     drafted = []
     propose = engine.proposer.propose
     engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.extend(out.num_draft))[0]
