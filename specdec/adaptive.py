@@ -154,7 +154,8 @@ class ChunkSizer:
     `decode_s`: `(gap_ratio - 1) * decode_s / per_token_s`. The trade-off is exact: a stream
     whose gaps may grow to r times lets a prompt arriving beside it prefill at (r - 1) / r of its
     own speed, so r = 3 costs that prompt about 1.5x its time to first token (plus what chunks
-    cost beyond their tokens). Until both are measured the budget is `initial`.
+    cost beyond their tokens). Until both are measured the budget is `initial`; it grows at most
+    2x per step.
 
     Example: decode steps of 0.15 s, 0.05 s per prompt token, gap_ratio 3 -> 6 tokens per step.
     """
@@ -166,6 +167,7 @@ class ChunkSizer:
         self.decode_s: float | None = None
         self.decode_by_rows = CostTable(prior=None)  # decode-only step seconds by verify rows
         self.per_token_s: float | None = None
+        self.last = initial
 
     def observe(self, seconds: float, prefill_tokens: int, verify_rows: int) -> None:
         """A step took `seconds` to feed `prefill_tokens` prompt tokens beside `verify_rows` rows
@@ -187,4 +189,6 @@ class ChunkSizer:
         if self.decode_s is None or not self.per_token_s:
             return self.initial
         fits = int((self.gap_ratio - 1) * self.decode_s / self.per_token_s + 1e-6)
-        return max(1, min(fits, self.most))
+        # at most 2x the last budget: one low estimate must not freeze the streams for a step
+        self.last = max(1, min(fits, 2 * self.last, self.most))
+        return self.last

@@ -171,11 +171,15 @@ def test_chunk_sizer_keeps_steps_within_the_gap_ratio():
     decode_s = sizer.decode_s
     sizer.observe(0.60 + 0.05 * 4, 4, verify_rows=6)  # a chunk of 4 beside a k = 5 window
     assert sizer.per_token_s == pytest.approx(0.05)
-    assert sizer.budget() == int(2 * decode_s / 0.05)
+    assert sizer.budget() == int(2 * decode_s / 0.05) == 8
     for _ in range(40):
         sizer.observe(0.15 + 0.5 * 4, 4, verify_rows=1)
     assert sizer.budget() == 1
     sizer.observe(0.05 * 200, 200, verify_rows=0)  # a prefill-only step prices tokens too
     assert sizer.per_token_s < 0.5
+    grow = ChunkSizer(gap_ratio=3.0, initial=4)
+    grow.observe(1.0, 0, verify_rows=1)
+    grow.observe(0.01 * 100, 100, verify_rows=0)  # 200 tokens would fit: reached 2x per step
+    assert [grow.budget() for _ in range(8)] == [8, 16, 32, 64, 128, 200, 200, 200]
     with pytest.raises(ValueError, match="gap ratio"):
         ChunkSizer(gap_ratio=1.0)
