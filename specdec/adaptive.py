@@ -27,6 +27,8 @@ token only with a fixed k (`EngineConfig.adaptive_k=False`).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 PRIOR_ACCEPTANCE = 0.8  # a draft of the target's family; a prior under break-even never retries
@@ -140,14 +142,15 @@ class SpeculationPolicy:
         return [min(best_k, cap) for cap in caps]
 
 
-GAP_EMA = 0.2  # weight of a new step time in ChunkSizer's averages
+GAP_EMA = 0.2  # weight of a new per-token time in ChunkSizer's average
+DECODE_WINDOW = 32  # decode-only steps whose median is the streams' typical gap
 
 
 class ChunkSizer:
     """Sizes the prefill chunks that ride beside decoding streams from measured step times.
 
     A stream's gap between tokens is the step time. A step that only decodes takes `decode_s`
-    on average; a prompt token riding along adds `per_token_s`: the step's time beyond what a
+    (the median of the last DECODE_WINDOW); a prompt token riding along adds `per_token_s`: the step's time beyond what a
     decode-only step with the same verify rows takes (`decode_by_rows`, since a step's time also
     moves with the streams' k, which must not be charged to the chunk), or a prefill-only step's
     time per token. The budget is the most tokens that keep a step within `gap_ratio` times
@@ -164,7 +167,7 @@ class ChunkSizer:
         if not gap_ratio > 1:
             raise ValueError(f"the gap ratio must be > 1, got {gap_ratio}")
         self.gap_ratio, self.initial, self.most = gap_ratio, initial, most
-        self.decode_s: float | None = None
+        self.recent_decode_s: deque[float] = deque(maxlen=DECODE_WINDOW)
         self.decode_by_rows = CostTable(prior=None)  # decode-only step seconds by verify rows
         self.per_token_s: float | None = None
         self.last = initial
@@ -175,7 +178,7 @@ class ChunkSizer:
         ema = lambda old, new: new if old is None else (1 - GAP_EMA) * old + GAP_EMA * new  # noqa: E731
         if prefill_tokens == 0:
             if verify_rows:
-                self.decode_s = ema(self.decode_s, seconds)
+                self.recent_decode_s.append(seconds)
                 self.decode_by_rows.observe(verify_rows, seconds)
             return
         if verify_rows == 0:
@@ -183,6 +186,12 @@ class ChunkSizer:
         elif self.decode_by_rows.seconds:
             extra = max(seconds - self.decode_by_rows(verify_rows), 0.0)
             self.per_token_s = ema(self.per_token_s, extra / prefill_tokens)
+
+    @property
+    def decode_s(self) -> float | None:
+        """The median of recent decode-only steps: the streams' typical gap (a mean would follow
+        the long speculative steps, which the streams' median gap does not)."""
+        return statistics.median(self.recent_decode_s) if self.recent_decode_s else None
 
     def budget(self) -> int:
         """Prefill tokens the next step may carry beside its decoding streams (at least 1)."""

@@ -225,11 +225,12 @@ class Engine:
 
     def _fill_draft(self, scheduled: list[Sequence], ks: list[int]) -> None:
         """Queue the draft cache's share of this step: catch-ups (see `_catch_up_first`) always;
-        the prompt stretches of prefilling sequences only where a draft forward runs anyway. A
-        forward of its own would add its fixed cost (most of a one-row draft forward) to a step
-        that streams are waiting on; a draft left behind catches up in chunks once it drafts."""
-        catching_up = any(s.num_draft_fill for s in scheduled if s.num_pending <= 1)
-        if not any(ks) and not catching_up:
+        the prompt stretches of prefilling sequences where a draft forward runs anyway or no
+        stream waits on the step. A forward of its own would add its fixed cost (most of a one-row
+        draft forward) to a step that streams are waiting on; a draft left behind catches up in
+        chunks once it drafts."""
+        decoding = [s for s in scheduled if s.num_pending <= 1]
+        if decoding and not any(ks) and not any(s.num_draft_fill for s in decoding):
             for seq in scheduled:
                 seq.num_draft_fill = 0
         self.proposer.fill(scheduled)

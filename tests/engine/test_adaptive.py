@@ -165,13 +165,14 @@ def test_chunk_sizer_keeps_steps_within_the_gap_ratio():
 
     sizer = ChunkSizer(gap_ratio=3.0, initial=8)
     sizer.observe(0.15, 0, verify_rows=1)
-    sizer.observe(0.60, 0, verify_rows=6)  # speculative steps: k = 5
+    sizer.observe(0.60, 0, verify_rows=6)  # a speculative step: k = 5
     sizer.observe(0.15, 0, verify_rows=1)
     assert sizer.budget() == 8  # no prompt token priced yet
     decode_s = sizer.decode_s
+    assert decode_s == 0.15  # the median step, as the streams' median gap
     sizer.observe(0.60 + 0.05 * 4, 4, verify_rows=6)  # a chunk of 4 beside a k = 5 window
     assert sizer.per_token_s == pytest.approx(0.05)
-    assert sizer.budget() == int(2 * decode_s / 0.05) == 8
+    assert sizer.budget() == 6  # (3 - 1) * 0.15 / 0.05
     for _ in range(40):
         sizer.observe(0.15 + 0.5 * 4, 4, verify_rows=1)
     assert sizer.budget() == 1
