@@ -21,7 +21,7 @@ from specdec.verify import AcceptanceStats, rejection_sample, warp_probs
 
 
 MAX_PRICED_LAG = 8
-MAX_CATCH_UP = 16  # draft-cache tokens fed in one catch-up (see Engine._catch_up_first)
+MAX_CATCH_UP = 32  # draft-cache tokens fed in one catch-up (see Engine._catch_up_first)
 LOOKUP_MIN_TOKENS = 4  # hybrid: prompt lookup may propose this many even where the policy drafts fewer
 
 

@@ -41,8 +41,8 @@ class Scheduler:
     (the window [last token, d_1..d_k]) and draft positions up to n+k-2. A prefilling sequence
     (its target cache lacks more than its last token: a new prompt, or one recomputed after
     preemption) gets a chunk of its pending tokens from the step's token budget; the draft's
-    cache is fed the same stretch alongside (`Sequence.num_draft_fill`), so it never has a whole
-    prompt to catch up on later.
+    cache is fed the same stretch alongside (`Sequence.num_draft_fill`) except for the last
+    chunk, so that the first token never waits for the draft.
 
     `schedule` first grows the running sequences (oldest first); when a pool is short it preempts
     the newest running sequence (frees its blocks; it is recomputed from its tokens later, reusing
@@ -129,8 +129,10 @@ class Scheduler:
         chunk = min(pending, max(left, 1))
         seq.num_new_tokens = chunk
         draft = seq.draft_table
-        # the draft keeps at least one token for the catch-up forward that yields its logits
-        lag = seq.num_tokens - 1 - draft.num_computed if draft is not None else 0
+        # The draft's cache takes the same stretch, except beside the prompt's last chunk: the
+        # first token must not wait for the draft (TTFT); what is left there is caught up once
+        # the sequence drafts (Engine._catch_up_first).
+        lag = seq.num_tokens - 1 - draft.num_computed if draft is not None and chunk < pending else 0
         seq.num_draft_fill = max(0, min(lag, chunk))
         return chunk
 
