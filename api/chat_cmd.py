@@ -36,14 +36,12 @@ HELP = ("/reset forgets the conversation (the system prompt stays) · /exit or C
 
 def register(sub: argparse._SubParsersAction) -> None:
     from specdec.api.cli import add_engine_args, add_sampling_args
+    from specdec.api.generate_cmd import add_display_args
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal, streamed (earlier turns "
                                     "come from the prefix cache)")
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt for the conversation")
-    p.add_argument("--show-acceptance", action="store_true",
-                   help="color each token: green accepted draft, red corrected by the target, "
-                        "cyan bonus")
-    p.add_argument("--quiet-stats", action="store_true", help="no statistics line after each answer")
+    add_display_args(p)
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)

@@ -33,13 +33,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="apply the chat template (default for chat models)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="raw completion")
+    add_display_args(p)
+    add_engine_args(p)
+    add_sampling_args(p)
+    p.set_defaults(func=run)
+
+
+def add_display_args(p: argparse.ArgumentParser) -> None:
+    """How streamed answers are shown (generate, chat)."""
     p.add_argument("--show-acceptance", action="store_true",
                    help="color each token: green accepted draft, red corrected by the target, "
                         "cyan bonus")
     p.add_argument("--quiet-stats", action="store_true", help="no statistics line")
-    add_engine_args(p)
-    add_sampling_args(p)
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

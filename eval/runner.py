@@ -66,7 +66,9 @@ def encode_prompts(
 def run_request(
     engine, token_ids: list[int], params: SamplingParams, k: int
 ) -> tuple[RequestTrace, list[tuple[int, int]]]:
-    """One request alone on the engine: its timing trace and its (num_draft, num_accepted) steps."""
+    """One request alone on the engine: its timing trace and its (num_draft, num_accepted) steps.
+    Starts with an empty prefix cache, so that every system and k prefills the same prompt."""
+    engine.reset_prefix_cache()
     trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
     steps: list[tuple[int, int]] = []
     request_id = engine.add_request(token_ids, params, num_speculative_tokens=k)
@@ -85,7 +87,9 @@ def run_request(
 def run_concurrent(
     engine, prompts: list[list[int]], params: SamplingParams, k: int
 ) -> tuple[list[RequestTrace], float, list[tuple[int, int]]]:
-    """All prompts at once on the engine: per-request traces, wall seconds, and acceptance steps."""
+    """All prompts at once on the engine: per-request traces, wall seconds, and acceptance steps.
+    Starts with an empty prefix cache (see `run_request`)."""
+    engine.reset_prefix_cache()
     start = time.perf_counter()
     traces, steps = {}, []
     for token_ids in prompts:
