@@ -21,7 +21,8 @@ from specdec.verify import AcceptanceStats, rejection_sample, warp_probs
 
 
 MAX_PRICED_LAG = 8
-MAX_CATCH_UP = 32  # draft-cache tokens fed in one catch-up (see Engine._catch_up_first)
+MAX_CATCH_UP = 32  # draft-cache tokens fed in one catch-up beside other streams (Engine._catch_up_first)
+MAX_LONE_CATCH_UP = 256  # ... for a sequence alone in its step (a chat prompt's draft prefill at once)
 LOOKUP_MIN_TOKENS = 4  # hybrid: prompt lookup may propose this many even where the policy drafts fewer
 
 
@@ -262,7 +263,7 @@ class Engine:
             # prefill alone (TTFT), and the draft's cache is fed the same stretch beside it.
             caps = [0 if s.num_pending > 1 else k for s, k in zip(seqs, caps)]
         if self.policy is None:
-            return [self._catch_up_first(s, k) for s, k in zip(seqs, caps)], caps
+            return [self._catch_up_first(s, k, len(seqs) == 1) for s, k in zip(seqs, caps)], caps
         # A draft cache that lags by the whole prompt must catch up once, whatever k. For a lone
         # sequence pricing that would keep speculation off forever, so its lag is priced up to a
         # few rows; a batch pays the whole catch-up it would cause (at 4 streams, prefilling the
@@ -271,7 +272,7 @@ class Engine:
         if len(seqs) == 1:
             lags = [min(MAX_PRICED_LAG, lag) for lag in lags]
         ks = self.policy.choose_k([s.acceptance.rate for s in seqs], caps, lags)
-        ks = [self._catch_up_first(s, k) for s, k in zip(seqs, ks)]
+        ks = [self._catch_up_first(s, k, len(seqs) == 1) for s, k in zip(seqs, ks)]
         if self.config.uses_draft_model and self.config.draft_stop_confidence > 0:
             # The policy decides whether drafting pays; the draft's confidence decides how far
             # (early stop), which beats the policy's length from an average acceptance: on 10
@@ -280,15 +281,16 @@ class Engine:
         return ks, caps
 
     @staticmethod
-    def _catch_up_first(seq: Sequence, k: int) -> int:
+    def _catch_up_first(seq: Sequence, k: int, alone: bool) -> int:
         """A sequence about to draft whose draft cache fell behind by more than MAX_CATCH_UP
-        tokens (many steps without drafting) is fed a chunk of them this step instead
-        (`num_draft_fill`), and drafts once caught up: one catch-up forward over hundreds of
-        tokens would stall every stream of the step."""
+        tokens (MAX_LONE_CATCH_UP when it is alone in the step) is fed a chunk of them this step
+        instead (`num_draft_fill`), and drafts once caught up: one catch-up forward over hundreds
+        of tokens would stall every stream of the step, a lone one after its first token."""
         lag = seq.num_tokens - 1 - seq.draft_table.num_computed if seq.draft_table is not None else 0
-        if k == 0 or lag <= MAX_CATCH_UP:
+        limit = MAX_LONE_CATCH_UP if alone else MAX_CATCH_UP
+        if k == 0 or lag <= limit:
             return k
-        seq.num_draft_fill = min(lag, MAX_CATCH_UP)
+        seq.num_draft_fill = limit
         return 0
 
     def _propose(

@@ -214,7 +214,8 @@ class _Bar:
 
 def _fake_chat_app(fail_at_turn: int | None, seen: list[dict]):
     """A minimal ASGI chat server: answers `answer-<turn>` in two chunks with usage (cached tokens
-    half the prompt unless salted); answers 400 at user turn `fail_at_turn`."""
+    half the prompt under the pass's shared salt "pass", none under a fresh one); answers 400 at
+    user turn `fail_at_turn`."""
 
     async def app(scope, receive, send):
         assert scope["type"] == "http"
@@ -233,7 +234,7 @@ def _fake_chat_app(fail_at_turn: int | None, seen: list[dict]):
             return
         prompt = 10 * len(request["messages"])
         usage = {"prompt_tokens": prompt, "completion_tokens": 2,
-                 "prompt_tokens_details": {"cached_tokens": 0 if "cache_salt" in request else prompt // 2}}
+                 "prompt_tokens_details": {"cached_tokens": prompt // 2 if request.get("cache_salt") == "pass" else 0}}
         chunks = [{"choices": [{"delta": {"content": f"answer-{turn}"}}]},
                   {"choices": [{"delta": {"content": "!"}}]}, {"choices": [], "usage": usage}]
         data = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
