@@ -43,6 +43,7 @@ class ChatBenchOptions:
     stream_tokens: int = 4000  # the running stream's cap (it is cancelled once measured)
     warmup_chunks: int = 8
     timeout: float = 900.0
+    source_chars: int = SOURCE_CHARS  # the paste's length (tests use a short one)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1 or self.stream_tokens < 1:
@@ -51,13 +52,13 @@ class ChatBenchOptions:
             raise ValueError("--warmup-chunks must be at least 2 (a median gap needs two chunks)")
 
 
-def pasted_source() -> str:
-    """The turn-1 paste: the first SOURCE_CHARS characters of `textwrap.py`."""
-    return inspect.getsource(textwrap)[:SOURCE_CHARS]
+def pasted_source(num_chars: int = SOURCE_CHARS) -> str:
+    """The turn-1 paste: the first `num_chars` characters of `textwrap.py`."""
+    return inspect.getsource(textwrap)[:num_chars]
 
 
-def first_turn() -> list[dict]:
-    return [{"role": "user", "content": f"{pasted_source()}\n\n{QUESTION}"}]
+def first_turn(num_chars: int = SOURCE_CHARS) -> list[dict]:
+    return [{"role": "user", "content": f"{pasted_source(num_chars)}\n\n{QUESTION}"}]
 
 
 def _body(opts: ChatBenchOptions, model: str, messages: list[dict], max_tokens: int, salt: str) -> dict:
@@ -79,14 +80,13 @@ async def _chat(client, opts, model, messages, max_tokens, salt) -> tuple[Reques
 async def run_turns(client, opts: ChatBenchOptions, model: str) -> dict:
     """Turn 1 and turn 2 of one conversation; TTFT and cached prompt tokens of each."""
     salt = uuid.uuid4().hex
-    messages = first_turn()
-    turns = []
-    for follow_up in (None, FOLLOW_UP):
-        if follow_up is not None:
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
-        trace, answer = await _chat(client, opts, model, messages, opts.max_tokens, salt)
-        turns.append({"ttft_s": trace.chunk_times[0] - trace.start, "prompt_tokens": trace.prompt_tokens,
-                      "cached_tokens": trace.cached_tokens})
+    first, answer = await _chat(client, opts, model, first_turn(opts.source_chars), opts.max_tokens, salt)
+    history = first_turn(opts.source_chars) + [{"role": "assistant", "content": answer}, {"role": "user", "content": FOLLOW_UP}]
+    second, _ = await _chat(client, opts, model, history, opts.max_tokens, salt)
+    turns = [
+        {"ttft_s": t.chunk_times[0] - t.start, "prompt_tokens": t.prompt_tokens, "cached_tokens": t.cached_tokens}
+        for t in (first, second)
+    ]
     return {"turn1": turns[0], "turn2": turns[1], "ttft_ratio": turns[0]["ttft_s"] / turns[1]["ttft_s"]}
 
 
@@ -102,7 +102,7 @@ async def run_interference(client, opts: ChatBenchOptions, model: str) -> dict:
             raise RuntimeError(f"the stream ended before {opts.warmup_chunks} chunks: {stream_trace.error}")
         await asyncio.sleep(0.01)
     arrival = time.perf_counter()
-    long_trace, _ = await _chat(client, opts, model, first_turn(), 1, uuid.uuid4().hex)
+    long_trace, _ = await _chat(client, opts, model, first_turn(opts.source_chars), 1, uuid.uuid4().hex)
     first_token = long_trace.chunk_times[0]
     while not stream.done() and stream_trace.chunk_times[-1] <= first_token:
         await asyncio.sleep(0.01)  # the gap that spans the first token must close

@@ -14,7 +14,7 @@ from specdec.config import EngineConfig
 from specdec.draft import DraftModelProposer, HybridProposer, NgramProposer, Proposer, SamplingTensors
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ChunkBudget, Scheduler
-from specdec.sequence import RequestOutput, Sequence, SequenceStatus, StepDelta, TokenOrigin
+from specdec.sequence import RequestOutput, Sequence, StepDelta, TokenOrigin
 from specdec.stopping import StopChecker
 from specdec.target.runner import ModelRunner, Window
 from specdec.verify import AcceptanceStats, rejection_sample, warp_probs

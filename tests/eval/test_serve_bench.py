@@ -282,3 +282,23 @@ def test_conversation_resends_history_and_stops_after_a_failed_turn(salted):
     assert result["conversations"] == 1 and result["completed_conversations"] == 0
     assert result["by_turn"]["first"]["completed"] == 1 and result["by_turn"]["later"]["completed"] == 0
     assert len(result["errors"]) == 2 and "an earlier turn failed" in result["errors"]
+
+
+def test_bench_chat_measures_turns_and_a_streams_gaps(server):
+    """`specdec bench chat` against a tiny server: turn 2 resends turn 1 and finds it cached; the
+    running stream's gaps and the arriving prompt's TTFT are measured."""
+    import asyncio
+
+    from specdec.eval.chat_bench import ChatBenchOptions, markdown, run_chat_bench
+
+    opts = ChatBenchOptions(base_url=server.url, max_tokens=4, stream_tokens=300, warmup_chunks=3,
+                            source_chars=120, timeout=120)
+    result = asyncio.run(run_chat_bench(opts))
+    t1, t2 = result["turns"]["turn1"], result["turns"]["turn2"]
+    assert t1["cached_tokens"] == 0 and t2["prompt_tokens"] > t1["prompt_tokens"]
+    assert t2["cached_tokens"] >= t1["prompt_tokens"] // 2
+    i = result["interference"]
+    assert i["median_gap_before_s"] > 0 and i["worst_gap_during_s"] > 0 and i["long_prompt_ttft_s"] > 0
+    assert "turn 2 TTFT" in markdown(result)
+    with pytest.raises(ValueError, match="warmup-chunks"):
+        ChatBenchOptions(warmup_chunks=1)
