@@ -68,8 +68,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.draft_slots_needed = draft_slots_needed
         self.budget = budget or ChunkBudget(MIN_PREFILL_CHUNK)
-        self.num_decoding = 0  # of the latest schedule: sequences decoding, prefill tokens fed
-        self.num_prefill_tokens = 0
+        self.num_prefill_tokens = 0  # prompt tokens the latest schedule feeds
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -116,7 +115,6 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
-        self.num_decoding = sum(1 for s in scheduled if s.num_pending <= 1)
         self.num_prefill_tokens = sum(s.num_new_tokens for s in scheduled if s.num_pending > 1)
         return scheduled
 
