@@ -101,11 +101,6 @@ class BlockPool:
         self._check_id(block_id)
         return self._ref_counts[block_id]
 
-    def key(self, block_id: int) -> BlockKey | None:
-        """The key a block is cached under, or None."""
-        self._check_id(block_id)
-        return self._keys[block_id]
-
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (reference count 1 each); all or nothing."""
         if n < 0:

@@ -150,8 +150,8 @@ class ChunkSizer:
     """Sizes the prefill chunks that ride beside decoding streams from measured step times.
 
     A stream's gap between tokens is the step time. A step that only decodes takes `decode_s`
-    (the median of the last DECODE_WINDOW); a prompt token riding along adds `per_token_s`: the step's time beyond what a
-    decode-only step with the same verify rows takes (`decode_by_rows`, since a step's time also
+    (the median of the last DECODE_WINDOW); a prompt token riding along adds `per_token_s`: the
+    step's time beyond what a decode-only step with the same verify rows takes (`decode_by_rows`, since a step's time also
     moves with the streams' k, which must not be charged to the chunk), or a prefill-only step's
     time per token. The budget is the most tokens that keep a step within `gap_ratio` times
     `decode_s`: `(gap_ratio - 1) * decode_s / per_token_s`. The trade-off is exact: a stream
@@ -195,9 +195,10 @@ class ChunkSizer:
 
     def budget(self) -> int:
         """Prefill tokens the next step may carry beside its decoding streams (at least 1)."""
-        if self.decode_s is None or not self.per_token_s:
+        decode_s = self.decode_s
+        if decode_s is None or not self.per_token_s:
             return self.initial
-        fits = int((self.gap_ratio - 1) * self.decode_s / self.per_token_s + 1e-6)
+        fits = int((self.gap_ratio - 1) * decode_s / self.per_token_s + 1e-6)
         # at most 2x the last budget: one low estimate must not freeze the streams for a step
         self.last = max(1, min(fits, 2 * self.last, self.most))
         return self.last

@@ -78,9 +78,8 @@ class Engine:
             self.proposer.draft_slots_needed if self.proposer is not None else (lambda n, k: 0),
             ChunkBudget(config.max_num_batched_tokens, config.max_prefill_chunk, self.chunk_sizer),
         )
-        for pool in (self.target.pool, draft_pool):
-            if pool is not None:
-                pool.enable_caching = config.enable_prefix_caching
+        for pool in self._pools().values():
+            pool.enable_caching = config.enable_prefix_caching
         self._verify_rows = 0
         self.num_scheduled = 0  # sequences the latest step ran (a step may emit nothing: prefill chunks)
         self.eos_token_ids = set(target.config.eos_token_ids)
@@ -187,7 +186,7 @@ class Engine:
         self._verify_rows = 0  # rows of decoding sequences' windows in this step's target forward
         if not seqs:
             if self.proposer is not None:
-                self.proposer.fill(scheduled)  # the draft's cache takes the same prompt stretch
+                self._fill_draft(scheduled, [])  # nothing decodes: the draft takes every stretch
                 self.proposer.flush()
             self.target.forward(fill_windows)
             self._cache_full_blocks(fills)
@@ -447,29 +446,29 @@ class Engine:
         if seq is not None and not seq.finished:
             self.scheduler.finish(seq)
 
-    def kv_usage(self) -> dict[str, dict[str, int]]:
+    def _pools(self) -> dict[str, Any]:
+        """The block pools by name: the target's, and the draft model's when there is one."""
         pools = {"target": self.target.pool}
         if self.proposer is not None and self.proposer.pool is not None:
             pools["draft"] = self.proposer.pool
+        return pools
+
+    def kv_usage(self) -> dict[str, dict[str, int]]:
         return {
             name: {"total": p.num_blocks, "free": p.num_free, "used": p.num_used, "cached": p.num_cached}
-            for name, p in pools.items()
+            for name, p in self._pools().items()
         }
 
     def prefix_cache_stats(self) -> dict[str, dict[str, int]]:
         """Per pool: prompt tokens looked up in the prefix cache and tokens found, since start."""
-        pools = {"target": self.target.pool}
-        if self.proposer is not None and self.proposer.pool is not None:
-            pools["draft"] = self.proposer.pool
         return {
             name: {"queried_tokens": p.stats.queried_tokens, "hit_tokens": p.stats.hit_tokens}
-            for name, p in pools.items()
+            for name, p in self._pools().items()
         }
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in both pools; returns how many."""
-        pools = [self.target.pool] + ([self.proposer.pool] if self.proposer and self.proposer.pool else [])
-        return sum(p.reset_prefix_cache() for p in pools)
+        return sum(p.reset_prefix_cache() for p in self._pools().values())
 
 
 def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
