@@ -116,6 +116,10 @@ class SpeculationPolicy:
         self.verify_cost = CostTable(prior=1.0)  # one target forward, by rows
         self.draft_cost = CostTable(prior=None)  # one draft forward, by rows fed
 
+    def forget(self) -> None:
+        """Drop every timing measured so far (warm-up's first, cold pass)."""
+        self.__init__()
+
     def draft_forward_cost(self, rows: int) -> float:
         if self.draft_cost.seconds or self.draft_cost.prior is not None:
             return self.draft_cost(rows)
@@ -171,6 +175,10 @@ class ChunkSizer:
         self.decode_by_rows = CostTable(prior=None)  # decode-only step seconds by verify rows
         self.per_token_s: float | None = None
         self.last = initial
+
+    def forget(self) -> None:
+        """Drop every timing measured so far (warm-up's first, cold pass)."""
+        self.__init__(self.gap_ratio, self.initial, self.most)
 
     def observe(self, seconds: float, prefill_tokens: int, verify_rows: int) -> None:
         """A step took `seconds` to feed `prefill_tokens` prompt tokens beside `verify_rows` rows
