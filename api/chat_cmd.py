@@ -35,13 +35,14 @@ HELP = ("/reset forgets the conversation (the system prompt stays) · /exit or C
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.cli import add_engine_args, add_sampling_args
+    from specdec.api.cli import add_engine_args, add_sampling_args, add_warmup_arg
     from specdec.api.generate_cmd import add_display_args
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal, streamed (earlier turns "
                                     "come from the prefix cache)")
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt for the conversation")
     add_display_args(p)
+    add_warmup_arg(p)
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -51,18 +52,18 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from specdec.api.cli import engine_config_from_args, sampling_params_from_args
-    from specdec.api.generate_cmd import LEGEND, describe_engine, load_engine
+    from specdec.api.generate_cmd import LEGEND, describe_engine, load_engine, loaded_line
     from specdec.target.tokenizer import is_chat_model
 
     params = sampling_params_from_args(args)
     config = engine_config_from_args(args)
     err = Console(stderr=True, highlight=False)
-    engine, load_s = load_engine(config, err)
+    engine, load_s, warm_s = load_engine(config, err, args.warmup)
     if engine.tokenizer is None or not is_chat_model(engine.tokenizer):
         raise ValueError("`specdec chat` needs a model whose tokenizer has a chat template (an "
                          "instruct model); `specdec generate --no-chat` completes plain text")
     if not args.quiet_stats:
-        err.print(f"[dim]loaded in {load_s:.1f}s · {describe_engine(config)}[/dim]")
+        err.print(f"[dim]{loaded_line(load_s, warm_s)} · {describe_engine(config)}[/dim]")
     err.print(f"[dim]{HELP}[/dim]")
     if args.show_acceptance:
         err.print(LEGEND)

@@ -9,6 +9,13 @@ from specdec.config import QUANT_MODES, EngineConfig
 from specdec.sampling_params import SamplingParams
 
 
+def add_warmup_arg(p: argparse.ArgumentParser) -> None:
+    """`--no-warmup` for the commands that warm the engine up before their first request."""
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the warm-up (one short greedy and one sampled request through both "
+                        "models after loading); the first request is then 2-4x slower")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags that shape the engine; shared by every subcommand that builds one."""
     g = p.add_argument_group("engine")

@@ -26,7 +26,7 @@ LEGEND = ("[green]accepted draft[/green] · [bold red]corrected by target[/bold 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.cli import add_engine_args, add_sampling_args
+    from specdec.api.cli import add_engine_args, add_sampling_args, add_warmup_arg
 
     p = sub.add_parser("generate", help="generate text for one or more prompts, streamed")
     p.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched)")
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="apply the chat template (default for chat models)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="raw completion")
     add_display_args(p)
+    add_warmup_arg(p)
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
@@ -55,11 +56,11 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     config = engine_config_from_args(args)
     err = Console(stderr=True, highlight=False)
-    engine, load_s = load_engine(config, err)
+    engine, load_s, warm_s = load_engine(config, err, args.warmup)
     chat = args.chat if args.chat is not None else _is_chat(engine)
     prompt_ids = [engine.encode(p, chat=chat) for p in args.prompts]
     if not args.quiet_stats:
-        err.print(f"[dim]loaded in {load_s:.1f}s · {describe_engine(config)} · chat={chat}[/dim]")
+        err.print(f"[dim]{loaded_line(load_s, warm_s)} · {describe_engine(config)} · chat={chat}[/dim]")
     out = Console(highlight=False, soft_wrap=True)
     printer = StreamPrinter(out, err, len(prompt_ids), args.show_acceptance, not args.quiet_stats,
                             num_prompt_tokens=sum(len(ids) for ids in prompt_ids))
@@ -72,14 +73,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_engine(config: EngineConfig, err: Console) -> tuple[Engine, float]:
-    """(engine, seconds it took to load), with a spinner on the `err` console meanwhile."""
+def load_engine(config: EngineConfig, err: Console, warmup: bool = True) -> tuple[Engine, float, float | None]:
+    """(engine, seconds it took to load, seconds its warm-up took or None), with a spinner on the
+    `err` console meanwhile."""
     from specdec.engine import Engine
+    from specdec.warmup import warm_up
 
     t0 = time.perf_counter()
     with err.status("loading models (the first run converts the GGUF files; later runs take seconds)"):
         engine = Engine(config)
-    return engine, time.perf_counter() - t0
+    load_s = time.perf_counter() - t0
+    if not warmup:
+        return engine, load_s, None
+    with err.status("warming up (one short greedy and one sampled request through both models)"):
+        report = warm_up(engine)
+    return engine, load_s, report.seconds
+
+
+def loaded_line(load_s: float, warm_s: float | None) -> str:
+    return f"loaded in {load_s:.1f}s" + (f", warmed up in {warm_s:.1f}s" if warm_s is not None else "")
 
 
 def describe_engine(config: EngineConfig) -> str:
