@@ -2,18 +2,24 @@
 
 For each dataset and temperature, every prompt runs at batch 1 once target-only (k = 0) and once
 per k, on ONE engine (the same weights; k is set per request), with the same per-prompt seed. Each
-(dataset, temperature, k) cell reports alpha, tau, the tau predicted from alpha, acceptance by draft
-position, tokens/s and the speedup over the target-only run of the same prompts.
+(dataset, temperature, k) cell reports the figures of `acceptance_metrics` (acceptance rate,
+alpha, tau measured and predicted, the cost ratios, speedup measured and predicted), each with a 95%
+bootstrap interval over prompts, and acceptance by draft position. Default temperatures: 0 (greedy)
+and 0.7 (sampling, as chat runs).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
-from specdec.eval import metrics, report
-from specdec.eval.runner import EncodedPrompt, encode_prompts, run_request
+import numpy as np
+
+from specdec.eval import acceptance_metrics, metrics
+from specdec.eval.metrics import RequestTrace
+from specdec.eval.runner import EncodedPrompt, StepRecord, encode_prompts, run_request, time_draft_forwards
 from specdec.sampling_params import SamplingParams
+
+Run = tuple[RequestTrace, list[StepRecord]]  # one prompt's run: its trace and its steps
 
 
 @dataclass
@@ -22,7 +28,7 @@ class AcceptanceOptions:
 
     datasets: list[str] = field(default_factory=lambda: ["humaneval", "sharegpt"])
     ks: list[int] = field(default_factory=lambda: [2, 4, 8])
-    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7])
     max_tokens: int = 64
     limit: int | None = 20
     seed: int = 0
@@ -42,27 +48,40 @@ class AcceptanceOptions:
 
 def run_cell(
     engine, prompts: list[EncodedPrompt], k: int, temperature: float, opts: AcceptanceOptions, bar
-) -> dict:
+) -> list[Run]:
     """All prompts at one (temperature, k); the seed of prompt i is `seed + i` whatever k is."""
-    traces, steps = [], []
+    runs = []
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=temperature, max_tokens=opts.max_tokens, seed=opts.seed + i)
-        trace, prompt_steps = run_request(engine, prompt.token_ids, params, k)
-        traces.append(trace)
-        steps += prompt_steps
+        runs.append(run_request(engine, prompt.token_ids, params, k))
         bar.update(1)
-    decode = metrics.decode_metrics(traces)
-    return {
+    return runs
+
+
+def summarize(k: int, temperature: float, runs: list[Run], target_runs: list[Run]) -> dict:
+    """One cell: throughput, and at k > 0 the summed counts, acceptance by position and every
+    figure of `acceptance_metrics` with its 95% bootstrap interval over prompts."""
+    decode = metrics.decode_metrics([trace for trace, _ in runs])
+    target = metrics.decode_metrics([trace for trace, _ in target_runs])
+    cell = {
         "k": k,
         "temperature": temperature,
-        "num_prompts": len(prompts),
+        "num_prompts": len(runs),
         "num_output_tokens": decode["num_output_tokens"],
         "seconds": decode["seconds"],
         "tokens_per_s": decode["tokens_per_s"],
+        "target_tokens_per_s": target["tokens_per_s"],
         "ttft_ms_mean": decode["ttft_ms"]["mean"],
-        "acceptance": metrics.acceptance_summary(steps) if k > 0 else None,
-        "token_ids": [t.token_ids for t in traces],
+        "counts": None,
+        "acceptance_by_position": None,
+        "figures": None,
     }
+    if k > 0:
+        per_prompt = [acceptance_metrics.prompt_counts(k, run, base) for run, base in zip(runs, target_runs)]
+        cell["counts"] = {name: np.sum([p[name] for p in per_prompt], axis=0).tolist() for name in per_prompt[0]}
+        cell["acceptance_by_position"] = acceptance_metrics.position_acceptance([s for _, steps in runs for s in steps])
+        cell["figures"] = {name: e.as_dict() for name, e in acceptance_metrics.estimate(per_prompt).items()}
+    return cell
 
 
 def warm_up(engine, prompts: list[EncodedPrompt], ks: list[int]) -> None:
@@ -73,7 +92,7 @@ def warm_up(engine, prompts: list[EncodedPrompt], ks: list[int]) -> None:
 
 
 def evaluate(engine, opts: AcceptanceOptions) -> list[dict]:
-    """Every (dataset, temperature, k) cell, k = 0 (target-only) first; speedup is over k = 0."""
+    """Every (dataset, temperature, k) cell, k = 0 (target-only) first: the others compare to it."""
     from tqdm.auto import tqdm
 
     prompt_sets = {
@@ -81,119 +100,20 @@ def evaluate(engine, opts: AcceptanceOptions) -> list[dict]:
         for name in opts.datasets
     }
     total = sum(len(p) for p in prompt_sets.values()) * len(opts.temperatures) * (len(opts.ks) + 1)
+    time_draft_forwards(engine)  # the draft cost c
     warm_up(engine, next(iter(prompt_sets.values())), opts.ks)
     cells = []
     with tqdm(total=total, desc="eval acceptance", unit="req", disable=not opts.progress) as bar:
         for name, prompts in prompt_sets.items():
             for temperature in opts.temperatures:
-                baseline = None
+                target_runs: list[Run] = []
                 for k in [0, *opts.ks]:
                     bar.set_postfix_str(f"{name} T={temperature} k={k}")
-                    cell = {"dataset": name, **run_cell(engine, prompts, k, temperature, opts, bar)}
-                    baseline = baseline or cell
-                    cell["target_tokens_per_s"] = baseline["tokens_per_s"]
-                    base_tps = baseline["tokens_per_s"]
-                    cell["speedup"] = cell["tokens_per_s"] / base_tps if base_tps else None
+                    runs = run_cell(engine, prompts, k, temperature, opts, bar)
+                    target_runs = target_runs or runs
+                    cell = {"dataset": name, **summarize(k, temperature, runs, target_runs)}
                     if k > 0 and temperature == 0:
-                        cell["greedy_matches_target"] = cell["token_ids"] == baseline["token_ids"]
+                        cell["greedy_matches_target"] = [t.token_ids for t, _ in runs] == [
+                            t.token_ids for t, _ in target_runs]
                     cells.append(cell)
-    for cell in cells:
-        cell.pop("token_ids")
     return cells
-
-
-# ---- report ----------------------------------------------------------------------------------
-
-
-def table(cells: list[dict]) -> str:
-    headers = ["dataset", "T", "k", "alpha", "tau", "tau from alpha", "p/token", "tok/s", "target tok/s",
-               "speedup"]
-    rows = []
-    for c in cells:
-        if c["k"] == 0:
-            continue
-        a = c["acceptance"]
-        rows.append([c["dataset"], f"{c['temperature']:g}", c["k"], a["alpha"], a["tau"], a["tau_predicted"],
-                     a["p_token"], c["tokens_per_s"], c["target_tokens_per_s"], _times(c["speedup"])])
-    return report.markdown_table(headers, rows)
-
-
-def position_table(cells: list[dict]) -> str:
-    k_max = max((c["k"] for c in cells), default=0)
-    headers = ["dataset", "T", "k", *[f"pos {i + 1}" for i in range(k_max)]]
-    rows = [[c["dataset"], f"{c['temperature']:g}", c["k"],
-             *(c["acceptance"]["acceptance_by_position"] + [None] * k_max)[:k_max]]
-            for c in cells if c["k"] > 0]
-    return report.markdown_table(headers, rows)
-
-
-def _times(x: float | None) -> str | None:
-    return f"{x:.2f}x" if x is not None else None
-
-
-def plot_positions(cells: list[dict], path: Path) -> Path:
-    from matplotlib.ticker import MaxNLocator
-
-    groups = _groups(cells)
-    ncols = min(len(groups), 2)
-    fig, axes = report.new_figure(ncols=ncols, nrows=-(-len(groups) // ncols))
-    for ax in axes[len(groups):]:
-        ax.set_visible(False)
-    for ax, ((dataset, temperature), group) in zip(axes, groups.items()):
-        for c in group:
-            rates = c["acceptance"]["acceptance_by_position"]
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"k={c['k']}")
-        ax.set(title=f"{dataset}, T={temperature:g}", xlabel="draft position",
-               ylabel="share of steps with drafts 1..i accepted", ylim=(0, 1.02))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend()
-    return report.save_figure(fig, path)
-
-
-def plot_tau_speedup(cells: list[dict], path: Path) -> Path:
-    from matplotlib.ticker import MaxNLocator
-
-    fig, (ax_tau, ax_speed) = report.new_figure(ncols=2)
-    for (dataset, temperature), group in _groups(cells).items():
-        ks = [c["k"] for c in group]
-        label = f"{dataset}, T={temperature:g}"
-        line, = ax_tau.plot(ks, [c["acceptance"]["tau"] for c in group], marker="o", label=f"{label} measured")
-        ax_tau.plot(ks, [c["acceptance"]["tau_predicted"] for c in group], linestyle="--",
-                    color=line.get_color(), label=f"{label} from alpha")
-        ax_speed.plot(ks, [c["speedup"] or 0.0 for c in group], marker="o", label=label)
-    ax_tau.set(title="mean accepted length tau (bonus included)", xlabel="k (draft tokens)",
-               ylabel="tokens per target pass")
-    ax_speed.set(title="speedup over target-only", xlabel="k (draft tokens)", ylabel="x target-only tokens/s")
-    ax_speed.axhline(1.0, color="grey", linewidth=0.8)
-    for ax in (ax_tau, ax_speed):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-    return report.save_figure(fig, path)
-
-
-def _groups(cells: list[dict]) -> dict[tuple[str, float], list[dict]]:
-    groups: dict[tuple[str, float], list[dict]] = {}
-    for c in cells:
-        if c["k"] > 0:
-            groups.setdefault((c["dataset"], c["temperature"]), []).append(c)
-    return groups
-
-
-def write_report(
-    out: Path, meta: dict, opts: AcceptanceOptions, engine_config, cells: list[dict]
-) -> list[Path]:
-    payload = {"meta": meta, "options": asdict(opts), "engine": asdict(engine_config), "results": cells}
-    files = [report.write_json(out / "acceptance.json", payload)]
-    files.append(report.write_markdown(out / "acceptance.md", "Draft acceptance", meta, [
-        ("Acceptance and speedup", table(cells) + "\n\nalpha: accepted / drafted tokens; tau: tokens per "
-         "target pass incl. the bonus/recovered token; tau from alpha: (1 - alpha^(k+1)) / (1 - alpha); "
-         "p/token: per-token acceptance probability of the i.i.d. fit; speedup: tokens/s over "
-         "target-only (k = 0) on the same prompts in this run, batch 1."),
-        ("Acceptance by draft position", position_table(cells)
-         + "\n\nShare of verify steps drafting position i whose drafts 1..i were all accepted."),
-    ]))
-    files.append(plot_positions(cells, out / "acceptance_by_position.png"))
-    files.append(plot_tau_speedup(cells, out / "tau_speedup_vs_k.png"))
-    return files

@@ -34,14 +34,19 @@ def _add_acceptance(sub: argparse._SubParsersAction) -> None:
     from specdec.api.cli import add_engine_args
 
     p = sub.add_parser(
-        "acceptance", help="acceptance rate, tau and speedup over target-only on HumanEval / ShareGPT",
-        description="Runs every prompt at batch 1 target-only and at each k on one engine; writes "
-                    "acceptance.json, acceptance.md and PNG plots.",
+        "acceptance", help="acceptance, tau and speedup over target-only on HumanEval / ShareGPT, "
+                           "measured beside predicted, with 95%% intervals",
+        description="Runs every prompt at batch 1 target-only and at each k on one engine; reports "
+                    "acceptance rate, per-token acceptance alpha, tau measured and predicted from alpha, "
+                    "the cost ratios and speedup measured and predicted, each with a 95%% bootstrap "
+                    "interval over prompts (docs/acceptance.md); writes acceptance.json, acceptance.md "
+                    "and PNG plots.",
     )
     p.add_argument("--datasets", nargs="+", default=["humaneval", "sharegpt"], metavar="NAME",
                    help="humaneval, sharegpt, or a .jsonl file of {\"prompt\": ..., \"chat\": bool} lines")
     p.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="draft lengths k to evaluate")
-    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0], help="0 = greedy")
+    p.add_argument("--temperatures", nargs="+", type=float, default=[0.0, 0.7],
+                   help="0 = greedy; 0.7 samples, as chat runs (seeded per prompt)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
     p.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     _common(p, 20, "ShareGPT shuffle seed; prompt i samples with seed + i")
@@ -190,7 +195,7 @@ def _announce(files: list[Path]) -> None:
 @_missing_data_is_an_error
 def run_acceptance(args: argparse.Namespace) -> int:
     from specdec.api.cli import engine_config_from_args
-    from specdec.eval import acceptance
+    from specdec.eval import acceptance, acceptance_report
     from specdec.eval.report import provenance
     from specdec.eval.runner import load_engine
 
@@ -207,8 +212,8 @@ def run_acceptance(args: argparse.Namespace) -> int:
     meta = provenance(args, args.words)
     engine = load_engine(config)
     cells = acceptance.evaluate(engine, opts)
-    files = acceptance.write_report(out, meta, opts, config, cells)
-    print(acceptance.table(cells))
+    files = acceptance_report.write_report(out, meta, opts, config, cells)
+    print(acceptance_report.table(cells))
     _announce(files)
     return 0
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from specdec.eval import metrics, report
+from specdec.eval.bootstrap import speedup
 from specdec.eval.metrics import RequestTrace
 from specdec.eval.runner import EncodedPrompt, encode_prompts, load_engine, run_concurrent
 from specdec.eval.systems import SYSTEMS, load_decoders
 from specdec.sampling_params import SamplingParams
-
 
 
 @dataclass
@@ -103,15 +103,14 @@ def time_systems(
 
 
 def summarize_systems(traces: dict[str, list[RequestTrace]], config) -> dict[str, dict]:
-    """Per system: decode metrics, ratios to our target-only and speculative runs, token agreement."""
+    """Per system: decode metrics, tokens/s ratios to our target-only and speculative runs (each
+    with a 95% bootstrap interval over prompts), token agreement with our target-only run."""
     out = {name: {"status": "ok", **metrics.decode_metrics(ts)} for name, ts in traces.items()}
     base = traces.get("specdec-target-only")
-    ours = out.get("specdec-speculative", {}).get("tokens_per_s")
-    target_only = out.get("specdec-target-only", {}).get("tokens_per_s")
+    ours = traces.get("specdec-speculative")
     for name, summary in out.items():
-        tps = summary["tokens_per_s"]
-        summary["vs_target_only"] = tps / target_only if target_only else None
-        summary["specdec_speedup_over_this"] = ours / tps if ours and tps else None
+        summary["vs_target_only"] = speedup(traces[name], base).as_dict() if base else None
+        summary["specdec_speedup_over_this"] = speedup(ours, traces[name]).as_dict() if ours else None
         if base is not None:
             same = [a.token_ids == b.token_ids for a, b in zip(traces[name], base)]
             summary["same_tokens_as_target_only"] = sum(same) / len(same)
@@ -133,13 +132,13 @@ def concurrency_sweep(engine, prompts: list[EncodedPrompt], config, opts: Latenc
     runs = [(n, mode, k) for n in opts.concurrency for mode, k in modes]
     for n, mode, k in tqdm(runs, desc="concurrency sweep", unit="run", disable=not opts.progress or not runs):
         batch = [prompts[i % len(prompts)].token_ids for i in range(n)]
-        traces, seconds, steps = run_concurrent(engine, batch, params, k)
+        traces, seconds, stats = run_concurrent(engine, batch, params, k)
         tokens = sum(t.num_output_tokens for t in traces)
         rows.append({
             "system": mode, "k": k, "streams": n, "num_output_tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
             "ttft_ms_mean": metrics.distribution([1000 * t.ttft for t in traces])["mean"],
-            "alpha": metrics.acceptance_summary(steps)["alpha"] if k else None,
+            "acceptance_rate": stats.acceptance_rate if k else None,
             "queued": max(0, n - config.max_num_seqs),
         })
     return rows
@@ -159,7 +158,8 @@ def table(result: dict) -> str:
         rows.append([
             name + (f" (k={s['k']})" if "k" in s else ""), s["tokens_per_s"], s["ttft_ms"]["p50"],
             s["tpot_ms"]["mean"], s["itl_ms"]["p50"], s["itl_ms"]["p99"], s["tbt_ms"]["p50"],
-            s["tbt_ms"]["p99"], _x(s["vs_target_only"]), _x(s["specdec_speedup_over_this"]),
+            s["tbt_ms"]["p99"], report.interval(s["vs_target_only"], "x"),
+            report.interval(s["specdec_speedup_over_this"], "x"),
             s.get("same_tokens_as_target_only"),
         ])
     skipped = [f"- {n} skipped: {s['reason']}" for n, s in result["systems"].items() if s["status"] != "ok"]
@@ -168,13 +168,9 @@ def table(result: dict) -> str:
 
 def sweep_table(rows: list[dict]) -> str:
     return report.markdown_table(
-        ["system", "streams", "aggregate tok/s", "mean TTFT ms", "alpha"],
-        [[r["system"], r["streams"], r["tokens_per_s"], r["ttft_ms_mean"], r["alpha"]] for r in rows],
+        ["system", "streams", "aggregate tok/s", "mean TTFT ms", "acceptance rate"],
+        [[r["system"], r["streams"], r["tokens_per_s"], r["ttft_ms_mean"], r["acceptance_rate"]] for r in rows],
     )
-
-
-def _x(value: float | None) -> str | None:
-    return f"{value:.2f}x" if value is not None else None
 
 
 def plot_systems(result: dict, path: Path) -> Path:
@@ -220,7 +216,8 @@ def write_report(out: Path, meta: dict, opts: LatencyOptions, engine_config, res
         f"quantization: target {engine_config.target_quant}, draft {engine_config.draft_quant} "
         "(transformers runs the same weights dense). TTFT: request to first token; TPOT: (E2E - TTFT) / (tokens - 1); ITL: gaps between streamed chunks (a speculative "
         "chunk carries several tokens); TBT: each chunk's gap shared by its tokens. 'same tokens': "
-        "share of prompts whose output equals our target-only output.",
+        "share of prompts whose output equals our target-only output. Ratios of tokens/s (all tokens / "
+        "all request time, on the same prompts) come with a 95% bootstrap interval over prompts.",
     )]
     files = [report.write_json(out / "latency.json", payload)]
     if result["concurrency"]:

@@ -1,12 +1,4 @@
-"""Metric arithmetic, as pure functions: acceptance (alpha, tau) and streaming latency.
-
-Acceptance, from one `(num_draft, num_accepted)` pair per verify step of one sequence:
-
-- alpha, the acceptance rate: accepted draft tokens / proposed draft tokens (vLLM's definition);
-- tau, the mean accepted length: tokens emitted per verify step, the recovered/bonus token included;
-- the tau the i.i.d. model predicts from alpha, (1 - alpha^(k+1)) / (1 - alpha), averaged over the
-  steps' actual k (the last steps of a request draft fewer);
-- acceptance by position: the share of steps drafting position i whose drafts 1..i were all kept.
+"""Streaming latency arithmetic, as pure functions (acceptance: `acceptance_metrics`).
 
 Latency, per vLLM's `benchmark_serving` (a request streams chunks; a chunk may carry several tokens):
 
@@ -20,61 +12,12 @@ Latency, per vLLM's `benchmark_serving` (a request streams chunks; a chunk may c
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec.verify import expected_accepted_length
-
 SLO_KEYS = ("ttft", "tpot", "e2el")
-
-
-# ---- acceptance ------------------------------------------------------------------------------
-
-
-def acceptance_summary(steps: Iterable[tuple[int, int]]) -> dict[str, object]:
-    """alpha, tau, predicted tau and acceptance by position from `(num_draft, num_accepted)` steps.
-
-    Steps with no drafts (plain decoding) are ignored. `p_token` is the per-token acceptance
-    probability of the i.i.d. model fitted to the steps (accepted / (accepted + rejections)); it is
-    larger than alpha, which also counts drafts never reached after a rejection.
-
-    Example: steps (4, 2) and (4, 4) -> alpha 6/8 = 0.75, tau (3 + 5) / 2 = 4.0,
-    acceptance_by_position [1.0, 1.0, 0.5, 0.5].
-    """
-    pairs = [(n, a) for n, a in steps if n > 0]
-    for n, a in pairs:
-        if not 0 <= a <= n:
-            raise ValueError(f"need 0 <= num_accepted <= num_draft, got ({n}, {a})")
-    k_max = max((n for n, _ in pairs), default=0)
-    drafted = [sum(1 for n, _ in pairs if n > i) for i in range(k_max)]
-    accepted = [sum(1 for _, a in pairs if a > i) for i in range(k_max)]
-    num_draft = sum(n for n, _ in pairs)
-    num_accepted = sum(a for _, a in pairs)
-    rejections = sum(1 for n, a in pairs if a < n)
-    alpha = num_accepted / num_draft if num_draft else 0.0
-    p_token = num_accepted / (num_accepted + rejections) if num_accepted + rejections else 0.0
-    return {
-        "num_steps": len(pairs),
-        "num_draft_tokens": num_draft,
-        "num_accepted_tokens": num_accepted,
-        "alpha": alpha,
-        "tau": (num_accepted + len(pairs)) / len(pairs) if pairs else 0.0,
-        "tau_predicted": predicted_tau(alpha, [n for n, _ in pairs]),
-        "p_token": p_token,
-        "tau_predicted_p_token": predicted_tau(p_token, [n for n, _ in pairs]),
-        "acceptance_by_position": [a / d for a, d in zip(accepted, drafted)],
-        "drafted_by_position": drafted,
-        "accepted_by_position": accepted,
-    }
-
-
-def predicted_tau(alpha: float, ks: Sequence[int]) -> float:
-    """Mean of (1 - alpha^(k+1)) / (1 - alpha) over the steps' draft counts `ks` (0.0 if none)."""
-    if not ks:
-        return 0.0
-    return sum(expected_accepted_length(alpha, k) for k in ks) / len(ks)
 
 
 # ---- latency ---------------------------------------------------------------------------------

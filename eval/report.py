@@ -115,6 +115,15 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join(lines)
 
 
+def interval(figure: dict | None, suffix: str = "") -> str | None:
+    """A figure with its interval, `{"value": 6.03, "ci95": [5.6, 6.4]}` -> "6.03 [5.60, 6.40]"
+    (None, a dash in a table, when undefined)."""
+    if figure is None or figure["value"] is None:
+        return None
+    low, high = figure["ci95"]
+    return f"{figure['value']:.2f}{suffix} [{low:.2f}, {high:.2f}]"
+
+
 def _cell(value: object) -> str:
     if value is None:
         return "–"

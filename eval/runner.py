@@ -11,6 +11,7 @@ from pathlib import Path
 from specdec.eval.datasets import Prompt, file_prompts, humaneval_prompts, sharegpt_prompts
 from specdec.eval.metrics import RequestTrace
 from specdec.sampling_params import SamplingParams
+from specdec.verify import AcceptanceStats
 
 
 @dataclass
@@ -63,22 +64,53 @@ def encode_prompts(
     return prompts
 
 
+@dataclass
+class StepRecord:
+    """One engine step that advanced a lone request: what the engine reported (`StepDelta`) and how
+    long it took. Steps that only fed a prefill chunk emit nothing and are not recorded."""
+
+    num_drafted: int
+    num_accepted: int
+    seconds: float  # wall time of the whole `engine.step()`
+    draft_seconds: float = 0.0  # of it, the draft model's timed forwards (0 when untimed)
+    num_draft_forwards: int = 0
+
+
+def time_draft_forwards(engine) -> bool:
+    """Have the draft model time each forward (`DraftModelProposer.timed`, as the adaptive-k policy
+    does; on CUDA each forward then syncs). False when the proposer has no draft model (n-gram)."""
+    model = getattr(engine.proposer, "model", engine.proposer)  # HybridProposer wraps the model
+    if not hasattr(model, "timed"):
+        return False
+    model.timed = True
+    return True
+
+
 def run_request(
     engine, token_ids: list[int], params: SamplingParams, k: int
-) -> tuple[RequestTrace, list[tuple[int, int]]]:
-    """One request alone on the engine: its timing trace and its (num_draft, num_accepted) steps.
+) -> tuple[RequestTrace, list[StepRecord]]:
+    """One request alone on the engine: its timing trace and a record of each step that emitted.
     Starts with an empty prefix cache, so that every system and k prefills the same prompt."""
     engine.reset_prefix_cache()
+    draft_timings = getattr(engine.proposer, "forward_seconds", [])  # filled only when timed
+    draft_timings.clear()
     trace = RequestTrace(time.perf_counter(), prompt_tokens=len(token_ids))
-    steps: list[tuple[int, int]] = []
+    steps: list[StepRecord] = []
     request_id = engine.add_request(token_ids, params, num_speculative_tokens=k)
     try:
         while engine.has_unfinished():
-            for delta in engine.step():
-                steps.append((delta.num_drafted, delta.num_accepted))
+            start = time.perf_counter()
+            deltas = engine.step()
+            now = time.perf_counter()
+            for delta in deltas:
+                steps.append(StepRecord(
+                    delta.num_drafted, delta.num_accepted, now - start,
+                    sum(s for _, s in draft_timings), len(draft_timings),
+                ))
                 if delta.token_ids:
-                    trace.add_chunk(time.perf_counter(), len(delta.token_ids))
+                    trace.add_chunk(now, len(delta.token_ids))
                     trace.token_ids += delta.token_ids
+            draft_timings.clear()
     finally:
         engine.release(request_id)
     return trace, steps
@@ -86,12 +118,12 @@ def run_request(
 
 def run_concurrent(
     engine, prompts: list[list[int]], params: SamplingParams, k: int
-) -> tuple[list[RequestTrace], float, list[tuple[int, int]]]:
-    """All prompts at once on the engine: per-request traces, wall seconds, and acceptance steps.
-    Starts with an empty prefix cache (see `run_request`)."""
+) -> tuple[list[RequestTrace], float, AcceptanceStats]:
+    """All prompts at once on the engine: per-request traces, wall seconds, and the acceptance
+    counts of the steps that drafted. Starts with an empty prefix cache (see `run_request`)."""
     engine.reset_prefix_cache()
     start = time.perf_counter()
-    traces, steps = {}, []
+    traces, stats = {}, AcceptanceStats()
     for token_ids in prompts:
         rid = engine.add_request(token_ids, params, num_speculative_tokens=k)
         traces[rid] = RequestTrace(start, prompt_tokens=len(token_ids))
@@ -100,10 +132,11 @@ def run_concurrent(
             deltas = engine.step()
             now = time.perf_counter()
             for delta in deltas:
-                steps.append((delta.num_drafted, delta.num_accepted))
+                if delta.num_drafted:
+                    stats.update(delta.num_drafted, delta.num_accepted)
                 if delta.token_ids:
                     traces[delta.request_id].add_chunk(now, len(delta.token_ids))
     finally:
         for rid in traces:
             engine.release(rid)
-    return list(traces.values()), time.perf_counter() - start, steps
+    return list(traces.values()), time.perf_counter() - start, stats

@@ -1,4 +1,4 @@
-"""Metric arithmetic on synthetic traces: alpha, tau, per-position acceptance, TPOT, ITL, goodput."""
+"""Latency arithmetic on synthetic traces: TTFT, TPOT, ITL, goodput (acceptance: test_acceptance_metrics)."""
 
 import math
 
@@ -7,63 +7,14 @@ import pytest
 
 from specdec.eval.metrics import (
     RequestTrace,
-    acceptance_summary,
     decode_metrics,
     distribution,
     latency_distributions,
     parse_slos,
-    predicted_tau,
     prefix_cache_usage,
     serving_metrics,
 )
 from specdec.eval.serve_bench import arrival_offsets
-
-
-def test_alpha_and_tau_from_known_accept_pattern():
-    # k = 4: all accepted, 2 accepted, none accepted -> 6 of 12 drafts, (5 + 3 + 1) / 3 tokens per pass
-    s = acceptance_summary([(4, 4), (4, 2), (4, 0)])
-    assert s["alpha"] == pytest.approx(0.5)
-    assert s["tau"] == pytest.approx(3.0)
-    assert s["acceptance_by_position"] == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
-    # i.i.d. prediction from alpha = 0.5, k = 4: 1 + .5 + .25 + .125 + .0625
-    assert s["tau_predicted"] == pytest.approx(1.9375)
-    # per-token fit: 6 accepted, 2 rejections
-    assert s["p_token"] == pytest.approx(6 / 8)
-
-
-def test_all_accepted_gives_k_plus_one_and_plain_steps_are_ignored():
-    s = acceptance_summary([(3, 3)] * 5 + [(0, 0)] * 4)
-    assert s["num_steps"] == 5
-    assert (s["alpha"], s["tau"], s["tau_predicted"]) == (1.0, 4.0, 4.0)
-    assert s["acceptance_by_position"] == [1.0, 1.0, 1.0]
-
-
-def test_positions_count_only_steps_that_drafted_them():
-    # the last step of a request drafts fewer tokens (max_tokens clips k)
-    s = acceptance_summary([(4, 4), (2, 2)])
-    assert s["drafted_by_position"] == [2, 2, 1, 1]
-    assert s["acceptance_by_position"] == [1.0, 1.0, 1.0, 1.0]
-    assert s["tau_predicted"] == pytest.approx(predicted_tau(1.0, [4, 2])) == pytest.approx(4.0)
-
-
-def test_iid_model_is_recovered_from_simulated_steps():
-    rng = np.random.default_rng(0)
-    p, k = 0.7, 5
-    steps = []
-    for _ in range(20000):
-        accepted = 0
-        while accepted < k and rng.random() < p:
-            accepted += 1
-        steps.append((k, accepted))
-    s = acceptance_summary(steps)
-    assert s["p_token"] == pytest.approx(p, abs=0.01)
-    assert s["tau"] == pytest.approx(s["tau_predicted_p_token"], rel=0.01)
-    assert s["tau"] == pytest.approx((1 - p ** (k + 1)) / (1 - p), rel=0.01)
-
-
-def test_bad_steps_are_rejected():
-    with pytest.raises(ValueError):
-        acceptance_summary([(2, 3)])
 
 
 def test_ttft_tpot_itl_follow_vllm_definitions():

@@ -23,15 +23,18 @@ def test_eval_acceptance_writes_json_table_and_plots(tmp_path, engine_flags, pro
     data = json.loads((out / "acceptance.json").read_text())
     cells = {(c["temperature"], c["k"]): c for c in data["results"]}
     assert set(cells) == {(t, k) for t in (0.0, 0.9) for k in (0, 1, 3)}
-    greedy = cells[(0.0, 3)]
+    greedy = cells[(0.0, 3)]["figures"]
     # draft == target: every greedy draft is accepted, tau is k + 1 but for clipped last steps
-    assert greedy["acceptance"]["alpha"] == 1.0
-    assert greedy["acceptance"]["tau"] == pytest.approx(greedy["acceptance"]["tau_predicted"])
-    assert greedy["greedy_matches_target"] is True
-    assert greedy["num_output_tokens"] == cells[(0.0, 0)]["num_output_tokens"]
-    assert cells[(0.9, 1)]["acceptance"]["alpha"] > 0.5  # same model: sampled drafts mostly pass too
-    assert cells[(0.0, 0)]["acceptance"] is None and cells[(0.0, 0)]["speedup"] == 1.0
-    assert f"| {prompts_file} | 0 | 3 | 1.000 |" in (out / "acceptance.md").read_text()
+    assert greedy["acceptance_rate"]["value"] == greedy["alpha"]["value"] == 1.0
+    assert greedy["tau"]["value"] == pytest.approx(greedy["tau_predicted"]["value"])
+    assert all(f["ci95"][0] <= f["value"] <= f["ci95"][1] for f in greedy.values() if f["value"] is not None)
+    assert greedy["draft_cost"]["value"] > 0 and greedy["speedup"]["value"] > 0
+    assert cells[(0.0, 3)]["greedy_matches_target"] is True
+    assert cells[(0.0, 3)]["num_output_tokens"] == cells[(0.0, 0)]["num_output_tokens"]
+    # same model: sampled drafts mostly pass too
+    assert cells[(0.9, 1)]["figures"]["acceptance_rate"]["value"] > 0.5
+    assert cells[(0.0, 0)]["figures"] is None
+    assert f"| {prompts_file} | 0 | 3 | 1.00 [1.00, 1.00] | 1.00 [1.00, 1.00] |" in (out / "acceptance.md").read_text()
     _assert_reproducible(data["meta"], argv)
 
 
@@ -50,7 +53,9 @@ def test_bench_latency_times_every_system_on_the_same_prompts(tmp_path, engine_f
     # the same weights decode greedily to the same tokens everywhere (fp32)
     assert systems["specdec-speculative"]["same_tokens_as_target_only"] == 1.0
     assert systems["transformers"]["same_tokens_as_target_only"] == 1.0
-    assert systems["specdec-target-only"]["vs_target_only"] == 1.0
+    assert systems["specdec-target-only"]["vs_target_only"] == {"value": 1.0, "ci95": [1.0, 1.0]}
+    ratio = systems["transformers"]["specdec_speedup_over_this"]
+    assert ratio["ci95"][0] <= ratio["value"] <= ratio["ci95"][1]
     llama = systems["llama.cpp"]
     assert llama["status"] == "skipped" and llama["reason"]  # no GGUF for a folder target
     sweep = data["results"]["concurrency"]
