@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.target.quant.modes import QUANT_MODES
+
 PROPOSERS = ("draft", "hybrid", "ngram", "none")
-QUANT_MODES = ("none", "int4", "auto", "w8a8", "int4+w8a8", "w4a8", "w4a8-auto")  # see specdec.target.quant
 KV_DTYPES = ("auto", "fp8")
 
 
@@ -75,7 +76,7 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         fast_cpu = self.dtype == "bfloat16" and self.resolved_device() == "cpu"
         if fast_cpu and (self.target_quant is None or self.draft_quant is None):
-            from specdec.target.qgemm import load_qgemm
+            from specdec.target.quant.qgemm import load_qgemm
 
             kernel = load_qgemm() is not None  # builds it once (~2 s) where it can run
             if self.target_quant is None:

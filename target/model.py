@@ -8,16 +8,25 @@ identical to transformers', so an HF safetensors state dict loads as it is.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention, paged_attention, write_kv
 from specdec.target.config import ModelConfig
-from specdec.target.decoder_stack import NativeDecoderStack
 from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope
 
 MAX_ROPE_POSITIONS = 32768
+
+
+class LayerStack(Protocol):
+    """Another way to run every decoder layer of a step (`quant.decoder_stack.NativeDecoderStack`:
+    one C call); the runner chooses it, the model only calls it."""
+
+    def run(self, h: torch.Tensor, rotation: Rotation, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
+        """Run every layer on `h [T, hidden]` in place; False (nothing done) where it cannot."""
 
 
 class RMSNorm(nn.Module):
@@ -168,21 +177,20 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_pos)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._native_layers: NativeDecoderStack | None = None  # see use_native_layers
+        self._layer_stack: LayerStack | None = None  # see use_layer_stack
 
-    def use_native_layers(self) -> bool:
-        """Run the decoder layers from C from now on where they fit (`NativeDecoderStack`:
-        bitwise the Python loop, without its overhead); returns whether they do. Snapshots the
-        layers' buffers: call it after the last change to the weights (the runner does)."""
-        self._native_layers = NativeDecoderStack.build(self)
-        return self._native_layers is not None
+    def use_layer_stack(self, stack: LayerStack | None) -> None:
+        """Run the decoder layers through `stack` from now on where it can (None: the Python loop).
+        A stack snapshots the layers' buffers: set it after the last change to the weights (the
+        runner does); `.to()` and friends drop it."""
+        self._layer_stack = stack
 
     def _apply(self, fn, *args, **kwargs):
-        self._native_layers = None  # .to(), .float(), ...: the snapshot would point at old buffers
+        self._layer_stack = None  # .to(), .float(), ...: the snapshot would point at old buffers
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self):  # copies and pickles leave the snapshot behind (it points at our buffers)
-        return {**super().__getstate__(), "_native_layers": None}
+        return {**super().__getstate__(), "_layer_stack": None}
 
     @property
     def max_positions(self) -> int:
@@ -199,8 +207,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
         rotation = self.rotary(positions, h.dtype)
-        native = self._native_layers
-        if native is None or not native.run(h, rotation, kv_cache, meta):  # run: h in place
+        stack = self._layer_stack
+        if stack is None or not stack.run(h, rotation, kv_cache, meta):  # run: h in place
             for i, layer in enumerate(self.model.layers):
                 h = layer(h, rotation, kv_cache, i, meta)
         if logits_indices.numel() == 0:  # a pure cache fill (prefill chunks)

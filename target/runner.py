@@ -8,6 +8,7 @@ import torch
 
 from specdec.cache import BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata
 from specdec.target.model import LlamaForCausalLM
+from specdec.target.quant.decoder_stack import NativeDecoderStack
 
 
 @dataclass
@@ -32,7 +33,8 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.pool = BlockPool(kv_cache.num_blocks)
         self.device = next(model.parameters()).device
-        model.use_native_layers()  # the weights are final here: run the layers from C where they fit
+        # The weights are final here: run the layers from C where they fit, else the Python loop.
+        model.use_layer_stack(NativeDecoderStack.build(model))
 
     @staticmethod
     def kv_spec(

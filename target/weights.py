@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -9,6 +10,12 @@ from safetensors import safe_open
 
 from specdec.target.config import ModelConfig
 from specdec.target.model import LlamaForCausalLM
+from specdec.target.quant.cache_file import load_quantized, quant_cache_path, save_quantized
+from specdec.target.quant.convert import prepare_quantized, quantize_model
+from specdec.target.quant.formats import MODES, linear_kind
+from specdec.target.quant.smoothing import calibration_text
+from specdec.target.runner import ModelRunner, Window
+from specdec.target.tokenizer import load_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,9 +38,9 @@ def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     quant: str = "none",
 ) -> LlamaForCausalLM:
-    """Build the model from a local HF folder; `quant` (see `quant.QUANT_MODES`) quantizes its linears (CPU).
+    """Build the model from a local HF folder; `quant` (see `quant.formats.MODES`) quantizes its linears (CPU).
 
-    A quantized model is cached after the first load (see `quant_cache`), so later loads read the
+    A quantized model is cached after the first load (see `quant.cache_file`), so later loads read the
     quantized bytes directly.
     """
     if quant != "none":
@@ -42,9 +49,6 @@ def load_model(
 
 
 def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> LlamaForCausalLM:
-    from specdec.target.quant import prepare_quantized, quantize_model
-    from specdec.target.quant_cache import load_quantized, quant_cache_path, save_quantized
-
     if torch.device(device).type != "cpu":
         raise ValueError("the int4 / w8a8 kernels are CPU only; use quantization 'none' on GPU")
     path = quant_cache_path(model_dir, quant, dtype)
@@ -55,20 +59,34 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
     else:
         # Quantize from fp32: a bf16 copy would knock Q4_K weights off their 4-bit grid.
         model = _load_dense(model_dir, torch.float32, device)
-        quantize_model(model, quant, calibration_ids=_calibration_ids(model_dir) if quant == "w8a8" else None)
+        smooth = quant in MODES and MODES[quant].smooth
+        calibrate = calibration_forward(model, _calibration_ids(model_dir)) if smooth else None
+        quantize_model(model, quant, calibrate=calibrate)
         _cast_dense(model, dtype)
         save_quantized(model, path)
     prepare_quantized(model)
     return model
 
 
+def calibration_forward(model: LlamaForCausalLM, token_ids: list[int]) -> Callable[[], None]:
+    """One forward of `model` over `token_ids` (as many as its positions allow), every row through
+    the LM head: what SmoothQuant measures activations on (`quant.smoothing`)."""
+
+    def forward() -> None:
+        ids = token_ids[: model.max_positions]
+        block = 16
+        runner = ModelRunner.build(model, block, None, num_blocks=(len(ids) + block - 1) // block + 1)
+        table = runner.new_table()
+        table.ensure_slots(len(ids))
+        runner.forward([Window(table, ids, len(ids))])
+
+    return forward
+
+
 def _calibration_ids(model_dir: Path) -> list[int]:
     """The calibration text in the model's tokens (a folder without a tokenizer: spread ids)."""
-    from specdec.target.smoothing import CALIBRATION_TEXT
-    from specdec.target.tokenizer import load_tokenizer
-
     try:
-        return load_tokenizer(model_dir).encode(CALIBRATION_TEXT)
+        return load_tokenizer(model_dir).encode(calibration_text())
     except (OSError, ValueError):
         vocab = load_config(model_dir).vocab_size
         return [(i * 7919) % vocab for i in range(512)]
@@ -76,8 +94,6 @@ def _calibration_ids(model_dir: Path) -> list[int]:
 
 def _cast_dense(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Cast every parameter outside the quantized linears (they keep their scales and bias)."""
-    from specdec.target.quant import linear_kind
-
     for module in model.modules():
         if linear_kind(module) != "dense":
             continue

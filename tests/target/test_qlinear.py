@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from specdec.config import EngineConfig
-from specdec.target import qgemm
-from specdec.target.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
-from specdec.target.quant import quantize_model
+from specdec.target.quant import qgemm
+from specdec.target.quant.convert import quantize_model
+from specdec.target.quant.decoder_stack import NativeDecoderStack
+from specdec.target.quant.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
 from specdec.target.weights import load_model
 from specdec.testing import write_tiny_pair
 from tests.target.test_quant import grid_weights
@@ -188,8 +189,6 @@ def test_bf16_engine_on_the_c_decode_path_is_greedy_exact(tmp_path, monkeypatch)
     rope + KV write + attention): every row is computed independently of the batch, so k+1-row
     verification agrees exactly with one-row decoding and speculative greedy output equals plain
     greedy output. (On the SDPA reference path the same case differs in 12 tokens.)"""
-    from specdec.target.decoder_stack import NativeDecoderStack
-
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     target, draft = _tiny_bf16_pair(tmp_path)
     runs = []
@@ -208,9 +207,9 @@ def test_c_layer_loop_is_bitwise_the_python_layer_loop(tmp_path, monkeypatch):
 
     def steps(native: bool):
         runner = ModelRunner.build(target, 4, None, num_blocks=32)
-        assert target._native_layers is not None
+        assert target._layer_stack is not None
         if not native:
-            target._native_layers = None
+            target._layer_stack = None
         a, b = runner.new_table(), runner.new_table()
         a.ensure_slots(30), b.ensure_slots(30)
         out = [runner.forward([Window(a, list(range(3, 20)), 1)])]  # prefill
@@ -222,10 +221,10 @@ def test_c_layer_loop_is_bitwise_the_python_layer_loop(tmp_path, monkeypatch):
         assert torch.equal(native, python)
     import copy
 
-    assert target.use_native_layers()
+    assert target.use_layer_stack()
     twin = copy.deepcopy(target)
-    assert twin._native_layers is None  # a copy's buffers are elsewhere
+    assert twin._layer_stack is None  # a copy's buffers are elsewhere
     ids = list(range(3, 20))
     assert torch.equal(prompt_logits(twin, ids), prompt_logits(target, ids))
     target.float()  # .to() and friends replace buffers: the snapshot must go with them
-    assert target._native_layers is None
+    assert target._layer_stack is None

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdec.target.quant import (
-    Int4Linear, fuse_int4, int4_error, prepare_quantized, quantize_int4, quantize_model,
-)
+from specdec.target import weights
+from specdec.target.quant.convert import prepare_quantized, quantize_model
+from specdec.target.quant.int4 import INT8_MIN_ROWS, Int4Linear, fuse_int4, int4_error, quantize_int4
 from specdec.target.weights import load_model
 from specdec.testing import tiny_hf_model
 
@@ -117,8 +117,6 @@ def test_fused_int4_equals_its_parts_bitwise(rows, int8):
 
 def test_int4_with_an_int8_copy_takes_int8_for_long_windows_only():
     """One row (decoding) stays on the int4 kernel; 5+ rows use the int8 copy, close to float."""
-    from specdec.target.quant import INT8_MIN_ROWS
-
     torch.manual_seed(0)
     w, bias = torch.randn(192, 256), torch.randn(192)
     q, sz = quantize_int4(w, 32)
@@ -151,8 +149,7 @@ def test_int4_model_is_fused_at_load_with_unchanged_logits(tmp_path, monkeypatch
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.q_proj is None
     assert isinstance(layer.mlp.gate_up_proj, Int4Linear) and layer.mlp.up_proj is None
 
-    from specdec.target import quant
-    monkeypatch.setattr(quant, "prepare_quantized", lambda model: None)
+    monkeypatch.setattr(weights, "prepare_quantized", lambda model: None)
     separate = load_model(tmp_path / "m", torch.bfloat16, quant="int4")
     assert separate.model.layers[0].self_attn.qkv_proj is None
 

@@ -9,10 +9,11 @@ import torch
 from specdec.config import EngineConfig
 from specdec.engine import Engine
 from specdec.sampling_params import SamplingParams
-from specdec.target.quant import Int8Linear, quantize_model
+from specdec.target.quant.convert import quantize_model
+from specdec.target.quant.int8 import Int8Linear
+from specdec.target.quant.smoothing import smooth_model
 from specdec.target.runner import ModelRunner, Window
-from specdec.target.smoothing import smooth_model
-from specdec.target.weights import load_model
+from specdec.target.weights import calibration_forward, load_model
 from specdec.testing import from_hf, tiny_hf_model, write_tiny_pair
 
 
@@ -75,7 +76,7 @@ IDS = [(i * 37) % 90 + 3 for i in range(40)]
 def test_smoothing_is_an_exact_rewrite_in_fp32():
     model = _outlier_model()
     before = prompt_logits(model, IDS)
-    smooth_model(model, IDS[:20])
+    smooth_model(model, calibration_forward(model, IDS[:20]))
     assert _rel(prompt_logits(model, IDS), before) < 1e-4
 
 
@@ -84,8 +85,8 @@ def test_smoothing_shrinks_the_w8a8_error():
     reference = prompt_logits(model, IDS)
     plain, smoothed = copy.deepcopy(model), copy.deepcopy(model)
     plain.parameters = smoothed.parameters = lambda: iter([torch.zeros(1)])  # CPU check only
-    quantize_model(plain, "w8a8", progress=False, calibration_ids=[])
-    quantize_model(smoothed, "w8a8", progress=False, calibration_ids=IDS[:20])
+    quantize_model(plain, "w8a8", progress=False, calibrate=None)
+    quantize_model(smoothed, "w8a8", progress=False, calibrate=calibration_forward(smoothed, IDS[:20]))
     del plain.parameters, smoothed.parameters
     err_plain, err_smoothed = _rel(prompt_logits(plain, IDS), reference), _rel(prompt_logits(smoothed, IDS), reference)
     assert err_smoothed < 0.7 * err_plain, (err_plain, err_smoothed)

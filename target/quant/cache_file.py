@@ -1,8 +1,8 @@
 """Quantize a model once and keep the result, so a warm load reads ~1/4 of the fp32 bytes.
 
-The cache file holds the whole state dict after quantization (int4 buffers, the bf16
-embedding and norms) plus a manifest of which linear became what; it is keyed on the model
-folder's path and the modification times of its weight files.
+The cache file holds the whole state dict after quantization (the formats' tensors, the bf16
+embedding and norms) plus a manifest of which linear became which format (`formats.FORMATS`); it
+is keyed on the model folder's path and the modification times of its weight files.
 """
 
 from __future__ import annotations
@@ -16,30 +16,25 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from specdec.target.model import LlamaForCausalLM
-from specdec.target.qlinear import QLinear
-from specdec.target.quant import Int4Linear, Int8Linear, linear_kind
+from specdec.paths import cache_dir
+from specdec.target.quant.formats import FORMATS, linear_kind
+from specdec.target.quant.smoothing import signature
 
 FORMAT_VERSION = "2"  # bump when quantization changes, so stale caches are not reused
 
 
 def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
-    from specdec.target.default_pair import cache_dir
-
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    recipe = mode
-    if mode == "w8a8":  # the smoothing depends on the calibration text and alpha
-        from specdec.target.smoothing import signature
-
-        recipe = f"{mode}:{signature()}"
+    recipe = f"{mode}:{signature()}" if mode == "w8a8" else mode  # smoothing: calibration text, alpha
     key = "|".join([FORMAT_VERSION, str(Path(model_dir).resolve()), recipe, str(dtype)]
                    + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "quantized" / f"{Path(model_dir).name}-{mode}-{digest}.safetensors"
 
 
-def save_quantized(model: LlamaForCausalLM, path: Path) -> None:
+def save_quantized(model: nn.Module, path: Path) -> None:
     """Write the model's state dict and quantization manifest atomically."""
     manifest = {name: kind for name, m in model.named_modules() if (kind := linear_kind(m)) != "dense"}
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
@@ -55,28 +50,16 @@ def save_quantized(model: LlamaForCausalLM, path: Path) -> None:
             os.unlink(tmp)
 
 
-def load_quantized(model: LlamaForCausalLM, path: Path) -> LlamaForCausalLM:
+def load_quantized(model: nn.Module, path: Path) -> nn.Module:
     """Fill a (meta-device) model from a cache file written by `save_quantized`."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
         manifest = json.loads(f.metadata()["manifest"])
         state = {k: f.get_tensor(k) for k in f.keys()}
     for name, kind in manifest.items():
+        fmt = FORMATS[kind]
+        tensors = {key: state.pop(f"{name}.{key}", None) for key in fmt.state_keys}
         bias = state.pop(f"{name}.bias", None)
-        if kind == "int8":
-            module = Int8Linear(state.pop(f"{name}.weight_int8"), state.pop(f"{name}.weight_scale"), bias)
-        elif kind == "qlinear":
-            module = QLinear(
-                state.pop(f"{name}.tiles"), state.pop(f"{name}.tile_offsets"), state.pop(f"{name}.tile_bits"),
-                model.get_submodule(name).in_features, bias,
-            )
-        else:
-            sz = state.pop(f"{name}.scales_and_zeros")
-            packed = state.pop(f"{name}.weight_int4")
-            in_features = model.get_submodule(name).in_features
-            module = Int4Linear(
-                packed, sz, bias, in_features, in_features // sz.shape[0],
-                state.pop(f"{name}.weight_int8", None), state.pop(f"{name}.int8_scale", None),
-            )
+        module = fmt.from_state(tensors, model.get_submodule(name).in_features, bias)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, module)
     for name, tensor in state.items():

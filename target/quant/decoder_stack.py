@@ -13,8 +13,8 @@ import ctypes
 import torch
 
 from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention
-from specdec.target.qgemm import load_qgemm
-from specdec.target.qlinear import QLinear
+from specdec.target.quant.qgemm import load_qgemm
+from specdec.target.quant.qlinear import QLinear
 from specdec.target.rope import Rotation
 
 

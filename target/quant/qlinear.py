@@ -19,7 +19,9 @@ import sys
 import torch
 from torch import nn
 
-from specdec.target.qgemm import require_qgemm
+from specdec.target.quant.int4 import int4_error, quantize_int4
+from specdec.target.quant.int8 import cat_biases
+from specdec.target.quant.qgemm import require_qgemm
 
 GROUP = 32  # inputs per weight and activation group (qgemm.c GROUP)
 TILE = 16  # output channels per tile (qgemm.c TILE)
@@ -60,8 +62,6 @@ class QLinear(nn.Module):
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, int4_max_error: float) -> "QLinear":
         """Quantize `weight [N, K]`: int4 (asymmetric, bf16 step and zero) where its relative error
         stays under `int4_max_error`, else int8 (symmetric, bf16 step). Needs N % 16 == K % 32 == 0."""
-        from specdec.target.quant import int4_error, quantize_int4
-
         n, k = weight.shape
         if not cls.fits(weight):
             raise ValueError(
@@ -80,6 +80,19 @@ class QLinear(nn.Module):
         size = tiles.numel() // t
         offsets = torch.arange(t, dtype=torch.int64) * size
         return cls(tiles, offsets, torch.full((t,), bits, dtype=torch.uint8), k, bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, int4_max_error: float) -> nn.Module:
+        """`from_weight` of `linear`, or `linear` itself where its shape does not fit."""
+        w = linear.weight.detach()
+        return cls.from_weight(w, linear.bias, int4_max_error) if cls.fits(w) else linear
+
+    @classmethod
+    def from_state(
+        cls, tensors: dict[str, torch.Tensor | None], in_features: int, bias: torch.Tensor | None
+    ) -> "QLinear":
+        """From the tensors a cache file holds (`formats.QLINEAR.state_keys`)."""
+        return cls(tensors["tiles"], tensors["tile_offsets"], tensors["tile_bits"], in_features, bias)
 
     def forward(
         self,
@@ -157,15 +170,13 @@ def fuse_qlinear(parts: list[nn.Module]) -> QLinear | None:
     parts are `QLinear` of one input size. Exact: tiles are independent."""
     if not all(isinstance(p, QLinear) for p in parts) or len({p.in_features for p in parts}) != 1:
         return None
-    from specdec.target.quant import _cat_biases
-
     offsets, start = [], 0
     for p in parts:
         offsets.append(p.tile_offsets + start)
         start += p.tiles.numel()
     return QLinear(
         torch.cat([p.tiles for p in parts]), torch.cat(offsets), torch.cat([p.tile_bits for p in parts]),
-        parts[0].in_features, _cat_biases(parts, torch.float32),
+        parts[0].in_features, cat_biases(parts, torch.float32),
     )
 
 

@@ -1,0 +1,113 @@
+"""SmoothQuant: move activation outliers into the weights before W8A8 quantization.
+
+Per-token int8 activations lose the small channels of a row whose range is set by a few outlier
+channels. For a linear fed by `x`, `y = (x / s) @ (W * s).T` is the same function for any positive
+per-input-channel `s`; with `s_j = max|x_j|^a / max|W_j|^(1-a)` both factors become easier to
+quantize (Xiao et al., 2023). The division by `s` is folded into whatever produces `x`, so there is
+no run-time cost:
+
+    q/k/v_proj   <- input_layernorm.weight           (RMSNorm scale)
+    gate/up_proj <- post_attention_layernorm.weight
+    down_proj    <- up_proj output rows              (x = silu(gate) * up is linear in up)
+    o_proj       <- v_proj output rows (and bias)    (attention output is linear in v; one factor
+                                                      per kv head channel, shared by its q heads)
+    lm_head      <- model.norm.weight                (the head must be untied from the embedding)
+
+`max|x_j|` comes from one forward over `calibration.txt` (code and prose, shipped as package data:
+nothing is downloaded). Measured on Qwen2.5-Coder-1.5B against the dense bf16 model, teacher-forced: with
+this text and a = 0.5, KL 0.009 nats/token and top-1 agreement 0.966 on 1,256 held-out tokens (3
+HumanEval, 2 ShareGPT prompts); without smoothing, KL 0.021 / 0.962 on 400 tokens of code. The
+calibration text matters: the same 400 tokens scored KL 0.012 with an earlier, shorter text and
+0.007 with a calibration text resembling them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ALPHA = 0.5
+
+CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")  # package data
+
+
+def calibration_text() -> str:
+    """The calibration text, exactly as shipped (its first line is a lone backslash, a leftover of
+    the string it once was: kept, since the smoothed weights depend on every token)."""
+    return CALIBRATION_FILE.read_text(encoding="utf-8")
+
+
+def signature() -> str:
+    """Changes whenever the calibration text or alpha does (part of the cache key)."""
+    return hashlib.sha256(f"{ALPHA}|{calibration_text()}".encode()).hexdigest()[:12]
+
+
+@torch.inference_mode()
+def activation_absmax(model: nn.Module, calibrate: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """Per-input-channel max |x| `[K]` of every `nn.Linear`, over what `calibrate()` runs through
+    the model (the loader's one forward over the calibration text, every row to the LM head)."""
+    stats: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(module, inputs, output) -> None:
+            amax = inputs[0].detach().float().abs().reshape(-1, inputs[0].shape[-1]).amax(0)
+            stats[name] = torch.maximum(stats[name], amax) if name in stats else amax
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        calibrate()
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _factors(linears: list[nn.Linear], x_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    w_absmax = torch.stack([lin.weight.detach().float().abs().amax(0) for lin in linears]).amax(0)  # [K]
+    s = x_absmax.clamp(min=1e-5) ** alpha / w_absmax.clamp(min=1e-5) ** (1 - alpha)
+    return s.clamp(min=1e-5)  # [K]
+
+
+def _scale_(param: torch.Tensor, factor: torch.Tensor) -> None:
+    param.data = (param.data.float() * factor).to(param.dtype)
+
+
+@torch.no_grad()
+def smooth_model(model: nn.Module, calibrate: Callable[[], None] | None, alpha: float = ALPHA) -> None:
+    """Fold SmoothQuant factors into `model` in place (an fp32 model keeps it exact to fp32), from
+    the activations `calibrate()` runs through it (`activation_absmax`); None: leave it as it is."""
+    if calibrate is None:
+        return
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        raise ValueError("untie the LM head from the embedding before smoothing it")
+    stats = activation_absmax(model, calibrate)
+    cfg = model.config
+    group = cfg.num_heads // cfg.num_kv_heads
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        attn, mlp = layer.self_attn, layer.mlp
+        for norm, linears, name in (
+            (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj"),
+            (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj"),
+        ):
+            s = _factors(linears, stats[prefix + name], alpha)
+            _scale_(norm.weight, 1 / s)
+            for lin in linears:
+                _scale_(lin.weight, s)
+        s = _factors([mlp.down_proj], stats[prefix + "mlp.down_proj"], alpha)
+        _scale_(mlp.up_proj.weight, (1 / s)[:, None])
+        _scale_(mlp.down_proj.weight, s)
+        s = _factors([attn.o_proj], stats[prefix + "self_attn.o_proj"], alpha)
+        s = s.view(cfg.num_kv_heads, group, cfg.head_dim).amax(1)  # [Hkv, D]: one per v channel
+        _scale_(attn.v_proj.weight, (1 / s).reshape(-1, 1))
+        if attn.v_proj.bias is not None:
+            _scale_(attn.v_proj.bias, (1 / s).reshape(-1))
+        _scale_(attn.o_proj.weight, s[:, None, :].expand(-1, group, -1).reshape(-1))
+    s = _factors([model.lm_head], stats["lm_head"], alpha)
+    _scale_(model.model.norm.weight, 1 / s)
+    _scale_(model.lm_head.weight, s)
