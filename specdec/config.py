@@ -1,4 +1,8 @@
-"""Engine configuration."""
+"""Engine configuration: a plain value, checked on construction.
+
+What depends on the machine (the device of "auto", the quantization of None) is resolved by the
+loader (`specdec.engine_parts.resolve_config`); nothing here builds or loads anything.
+"""
 
 from __future__ import annotations
 
@@ -49,8 +53,9 @@ class EngineConfig:
     prefill_gap_ratio: float = 2.5
     # With nothing decoding, prompts are prefilled in chunks of up to this many tokens.
     max_prefill_chunk: int = 2048
-    # CPU quantization; None picks per model. On the CPU in bfloat16, where specdec's AVX-512 VNNI
-    # kernel runs (`target.qgemm`), the target takes "w4a8-auto" (GGUF Q4_K tensors stay exactly
+    # CPU quantization (`target.quant.formats.MODES`); None: the loader picks per model
+    # (`engine_parts.resolve_config`). On the CPU in bfloat16, where specdec's AVX-512 VNNI kernel
+    # runs (`target.quant.qgemm`), the target takes "w4a8-auto" (GGUF Q4_K tensors stay exactly
     # int4, the rest int8, activations int8 per group of 32: 1.4-1.5x faster than "w8a8" for one
     # row and KL 0.0015 vs 0.0097 nats/token from the GGUF weights, see README) and the draft "w4a8"
     # (int4 everywhere; a draft only proposes, so its rounding cannot change the output
@@ -74,21 +79,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        fast_cpu = self.dtype == "bfloat16" and self.resolved_device() == "cpu"
-        if fast_cpu and (self.target_quant is None or self.draft_quant is None):
-            from specdec.target.quant.qgemm import load_qgemm
-
-            kernel = load_qgemm() is not None  # builds it once (~2 s) where it can run
-            if self.target_quant is None:
-                self.target_quant = "w4a8-auto" if kernel else "w8a8"
-            if self.draft_quant is None:
-                self.draft_quant = "w4a8" if kernel else "int4+w8a8"
-        if self.target_quant is None:
-            self.target_quant = "none"
-        if self.draft_quant is None:
-            self.draft_quant = "none"
         for name in ("target_quant", "draft_quant"):
-            if getattr(self, name) not in QUANT_MODES:
+            if getattr(self, name) not in (None, *QUANT_MODES):
                 raise ValueError(f"{name} must be one of {QUANT_MODES}, got {getattr(self, name)!r}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError("kv_cache_memory_gib must be positive")

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from specdec.config import EngineConfig
+from specdec.engine_parts import resolve_config
 from specdec.target.quant import qgemm
 from specdec.target.quant.convert import quantize_model
 from specdec.target.quant.decoder_stack import NativeDecoderStack
 from specdec.target.quant.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
-from specdec.target.weights import load_model
+from specdec.target.model_weights import load_model
 from specdec.testing import write_tiny_pair
 from tests.target.test_quant import grid_weights
 from tests.target.test_w8a8 import IDS, prompt_logits, speculative_and_plain_greedy
@@ -152,7 +153,7 @@ def test_w4a8_model_is_fused_cached_and_the_engine_stays_greedy_exact(tmp_path, 
 def test_without_the_kernel_w4a8_says_why_and_defaults_fall_back(monkeypatch):
     monkeypatch.setenv("SPECDEC_NO_KERNELS", "1")
     assert "SPECDEC_NO_KERNELS" in qgemm.unavailable_reason()
-    config = EngineConfig(dtype="bfloat16", device="cpu")
+    config = resolve_config(EngineConfig(dtype="bfloat16", device="cpu"))
     assert (config.target_quant, config.draft_quant) == ("w8a8", "int4+w8a8")
     monkeypatch.setattr(qgemm, "load_qgemm", lambda: None)
     with pytest.raises(qgemm.KernelUnavailableError, match="SPECDEC_NO_KERNELS=1.*w8a8"):
@@ -161,15 +162,15 @@ def test_without_the_kernel_w4a8_says_why_and_defaults_fall_back(monkeypatch):
 
 def test_kernel_defaults_where_it_runs(monkeypatch):
     monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
-    config = EngineConfig(dtype="bfloat16", device="cpu")
+    config = resolve_config(EngineConfig(dtype="bfloat16", device="cpu"))
     assert (config.target_quant, config.draft_quant) == ("w4a8-auto", "w4a8")
-    assert EngineConfig(dtype="float32", device="cpu").target_quant == "none"
+    assert resolve_config(EngineConfig(dtype="float32", device="cpu")).target_quant == "none"
 
 
 def test_a_failed_build_falls_back_to_torchs_kernels_with_the_reason(monkeypatch):
     monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
     monkeypatch.setattr(qgemm, "_load", lambda: None)  # e.g. the compiler failed
-    assert EngineConfig(dtype="bfloat16", device="cpu").target_quant == "w8a8"
+    assert resolve_config(EngineConfig(dtype="bfloat16", device="cpu")).target_quant == "w8a8"
     with pytest.raises(qgemm.KernelUnavailableError, match="building qgemm.c failed"):
         qgemm.require_qgemm()
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from specdec.target import weights
+from specdec.target import model_weights
 from specdec.target.quant.convert import prepare_quantized, quantize_model
 from specdec.target.quant.int4 import INT8_MIN_ROWS, Int4Linear, fuse_int4, int4_error, quantize_int4
-from specdec.target.weights import load_model
+from specdec.target.model_weights import load_model
 from specdec.testing import tiny_hf_model
 
 
@@ -149,7 +149,7 @@ def test_int4_model_is_fused_at_load_with_unchanged_logits(tmp_path, monkeypatch
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and layer.self_attn.q_proj is None
     assert isinstance(layer.mlp.gate_up_proj, Int4Linear) and layer.mlp.up_proj is None
 
-    monkeypatch.setattr(weights, "prepare_quantized", lambda model: None)
+    monkeypatch.setattr(model_weights, "prepare_quantized", lambda model: None)
     separate = load_model(tmp_path / "m", torch.bfloat16, quant="int4")
     assert separate.model.layers[0].self_attn.qkv_proj is None
 

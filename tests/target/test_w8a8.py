@@ -13,7 +13,7 @@ from specdec.target.quant.convert import quantize_model
 from specdec.target.quant.int8 import Int8Linear
 from specdec.target.quant.smoothing import smooth_model
 from specdec.target.runner import ModelRunner, Window
-from specdec.target.weights import calibration_forward, load_model
+from specdec.target.model_weights import calibration_forward, load_model
 from specdec.testing import from_hf, tiny_hf_model, write_tiny_pair
 
 

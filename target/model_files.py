@@ -27,13 +27,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from specdec.paths import cache_dir
 from specdec.target.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
-from specdec.target.default_pair import (
-    cache_dir,
-    default_draft_gguf,
-    default_target_gguf,
-    verified_sha256,
-)
+from specdec.target.default_pair import default_draft_gguf, default_target_gguf, verified_sha256
 
 DEFAULT_TARGET_SPEC = "default-target"
 DEFAULT_DRAFT_SPEC = "default-draft"

@@ -1,15 +1,24 @@
-"""From an `EngineConfig` to loaded models, a tokenizer and sized KV caches."""
+"""From an `EngineConfig` to the engine's parts: models, tokenizer and runners with sized KV caches.
+
+The config is a plain value; what depends on the machine (the device of `"auto"`, the
+quantization of `None`, which needs to know whether the C kernel builds here) is resolved here,
+by `resolve_config`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
 from specdec.config import EngineConfig
+from specdec.target.model_files import resolve_model
+from specdec.target.model_weights import load_model, parse_dtype
+from specdec.target.quant.qgemm import load_qgemm
 from specdec.target.runner import ModelRunner
-from specdec.target.weights import load_model, parse_dtype
+from specdec.target.tokenizer import load_tokenizer
 
 GIB = 1 << 30
 
@@ -18,11 +27,29 @@ class TokenizerMismatchError(ValueError):
     """Draft and target do not share a tokenizer, so draft tokens mean nothing to the target."""
 
 
+def resolve_config(config: EngineConfig) -> EngineConfig:
+    """`config` with the quantization of each model chosen where it is None.
+
+    On the CPU in bfloat16, where the AVX-512 VNNI kernel runs (`quant.qgemm`, built here once,
+    ~2 s), the target takes "w4a8-auto" and the draft "w4a8"; without the kernel "w8a8" and
+    "int4+w8a8"; elsewhere "none" (see `EngineConfig.target_quant`).
+    """
+    if config.target_quant is not None and config.draft_quant is not None:
+        return config
+    target, draft = "none", "none"
+    if config.dtype == "bfloat16" and config.resolved_device() == "cpu":
+        kernel = load_qgemm() is not None
+        target, draft = ("w4a8-auto", "w4a8") if kernel else ("w8a8", "int4+w8a8")
+    return dataclasses.replace(
+        config,
+        target_quant=target if config.target_quant is None else config.target_quant,
+        draft_quant=draft if config.draft_quant is None else config.draft_quant,
+    )
+
+
 def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     """Resolve and load the target, the draft (when the draft proposer is used) and the tokenizer."""
-    from specdec.target.loader import resolve_model
-    from specdec.target.tokenizer import load_tokenizer
-
+    config = resolve_config(config)
     dtype, device = parse_dtype(config.dtype), config.resolved_device()
     t0 = time.perf_counter()
     target_dir = resolve_model(config.target)

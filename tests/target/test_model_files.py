@@ -1,4 +1,4 @@
-"""Model specs -> local folders (specdec.target.loader) and the embedded default pair."""
+"""Model specs -> local folders (specdec.target.model_files) and the embedded default pair."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.target import default_pair, loader
+from specdec.target import default_pair, model_files
 from specdec.target.default_pair import INSTALL_COMMAND, ModelsNotInstalledError
-from specdec.target.loader import resolve_model
+from specdec.target.model_files import resolve_model
 from specdec.target.tokenizer import load_tokenizer
 
 from .conftest import build_tiny_tokenizer
@@ -194,7 +194,7 @@ def test_gguf_is_converted_once_and_warm_resolve_is_fast(tmp_path, monkeypatch):
     def must_not_run(*args):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(loader, "_convert_into", must_not_run)
+    monkeypatch.setattr(model_files, "_convert_into", must_not_run)
     start = time.perf_counter()
     assert resolve_model(str(tmp_path / "tiny.gguf"), progress=False) == first
     assert time.perf_counter() - start < 0.5
@@ -219,7 +219,7 @@ def test_unsupported_architecture_fails_before_dequantizing(tmp_path, monkeypatc
 
     tokenizer = build_tiny_tokenizer()
     _write_gguf(tmp_path / "tiny.gguf", _tiny_llama(tokenizer), tokenizer)
-    monkeypatch.setattr(loader, "SUPPORTED_ARCHITECTURES", ("Qwen2ForCausalLM",))
+    monkeypatch.setattr(model_files, "SUPPORTED_ARCHITECTURES", ("Qwen2ForCausalLM",))
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
         resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
     assert list((default_pair.cache_dir() / "converted").iterdir()) == []
