@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from specdec.api.engine_loop import EngineDeadError, GenerationRequest, RequestStream
+from specdec.api.engine_loop import EngineDeadError, GenerationRequest, RequestFailedError, RequestStream
 from specdec.api.errors import APIError, error_body
 from specdec.api.protocol import ChatFormat, CompletionFormat, ResponseFormat, Usage
 from specdec.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, GenerationFields
@@ -159,7 +159,7 @@ async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: Respons
             yield _data(fmt.usage_chunk(active.usage))
         active.close("stop")
         yield "[DONE]"
-    except (EngineDeadError, ValueError) as exc:
+    except (EngineDeadError, RequestFailedError, ValueError) as exc:
         active.close("invalid" if isinstance(exc, ValueError) else "error")
         error = _engine_error(exc)
         yield {"event": "error", "data": json.dumps(error_body(error.message, error.type, error.param, error.code))}
@@ -184,7 +184,7 @@ async def _collect(request: Request, active: ActiveRequest, stream: RequestStrea
             return None  # nobody is listening; `finally` aborts the request
         try:
             consumer.result()
-        except (EngineDeadError, ValueError) as exc:
+        except (EngineDeadError, RequestFailedError, ValueError) as exc:
             active.close(None)  # the error handler counts the answer
             raise _engine_error(exc) from exc
         active.close("stop")
@@ -196,9 +196,12 @@ async def _collect(request: Request, active: ActiveRequest, stream: RequestStrea
 
 
 def _engine_error(exc: Exception) -> APIError:
-    """A request the engine refused (ValueError) is the client's fault; a dead engine is ours."""
+    """A request the engine refused (ValueError) is the client's fault; a dead engine or a failed
+    step is ours."""
     if isinstance(exc, EngineDeadError):
         return APIError(500, f"the engine stopped while generating: {exc}", type="server_error", code="engine_error")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, f"generating this request failed: {exc}", type="server_error", code="engine_error")
     return APIError(400, str(exc), code="invalid_value")
 
 

@@ -8,9 +8,12 @@
       inbox.append(("abort", id)) --->  release finished requests, publish a snapshot
     stream.queue  <------------------   loop.call_soon_threadsafe(put deltas)
 
-Only the engine thread calls the Engine. When idle it sleeps on a condition (no busy spin). If
-`step()` raises, every in-flight request receives an `EngineDeadError`, the loop is marked dead
-(`/health` answers 503) and later submissions fail at once.
+Only the engine thread calls the Engine. When idle it sleeps on a condition (no busy spin). A step
+that fails (`StepError`) has released the requests it ran: each of their streams receives a
+`RequestFailedError` and the loop serves the others on. After `MAX_STEP_FAILURES` failed steps in a
+row (the device is gone, not one request's bad luck), or on any other exception, the loop dies:
+every in-flight request receives an `EngineDeadError`, `/health` answers 503 and later
+submissions fail at once.
 """
 
 from __future__ import annotations
@@ -23,16 +26,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.engine import StepError
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import StepDelta
 
 logger = logging.getLogger("specdec.api")
 
 _STALL_WAIT_S = 0.02  # work exists but nothing could be scheduled this step: wait, don't spin
+MAX_STEP_FAILURES = 3  # failed steps in a row (none succeeding between) that kill the loop
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped (model loading or a step failed, or the server is shutting down)."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step this request ran in failed; the engine released it and serves the others on."""
 
 
 @dataclass
@@ -105,6 +114,7 @@ class AsyncEngine:
         self._stopping = False
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._drafted_per_position: list[int] = []  # engine thread only
+        self._failures = 0  # failed steps in a row; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.info: EngineInfo | None = None
@@ -183,10 +193,31 @@ class AsyncEngine:
                 return
             for command in commands:
                 self._apply(engine, command)
-            deltas = engine.step() if engine.has_unfinished() else []
+            deltas = self._step(engine) if engine.has_unfinished() else []
             stalled = engine.has_unfinished() and not getattr(engine, "num_scheduled", deltas)
             self._dispatch(engine, deltas)
             self._publish(engine)
+
+    def _step(self, engine: Any) -> list[StepDelta]:
+        """One engine step; a failed one fails its requests, unless steps keep failing."""
+        try:
+            deltas = engine.step()
+        except StepError as exc:
+            self._failures += 1
+            if self._failures >= MAX_STEP_FAILURES:
+                raise
+            self._fail_requests(exc)
+            return []
+        self._failures = 0
+        return deltas
+
+    def _fail_requests(self, exc: StepError) -> None:
+        """The engine released these requests; tell their consumers."""
+        logger.error("a step failed; failing its %d request(s)", len(exc.request_ids), exc_info=exc)
+        cause = exc.__cause__ or exc
+        error = f"{type(cause).__name__}: {cause}"
+        streams = [self._streams.pop(rid, None) for rid in exc.request_ids]
+        self._deliver([(stream, RequestFailedError(error)) for stream in streams if stream is not None])
 
     def _next_commands(self, engine: Any, stalled: bool) -> list[tuple] | None:
         """Wait until there is something to do; None when shutting down."""

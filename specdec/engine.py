@@ -26,6 +26,16 @@ MAX_LONE_CATCH_UP = 256  # ... for a sequence alone in its step (a chat prompt's
 LOOKUP_MIN_TOKENS = 4  # hybrid: prompt lookup may propose this many even where the policy drafts fewer
 
 
+class StepError(RuntimeError):
+    """A step raised. The requests it ran (`request_ids`) are released (blocks freed in both
+    pools, forgotten by the engine, finish reason "error"); every other request is untouched and
+    the engine keeps serving. The original exception is the `__cause__`."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"a step failed ({type(cause).__name__}: {cause}); released {len(request_ids)} request(s)")
+        self.request_ids = request_ids
+
+
 class Engine:
     """A speculative-decoding engine over a target and (optionally) a draft model.
 
@@ -46,6 +56,9 @@ class Engine:
         cls, config: EngineConfig, target: torch.nn.Module, draft: torch.nn.Module | None = None,
         tokenizer: Any = None,
     ) -> "Engine":
+        """An engine over models already in memory; they must sit on `config.device` (any one
+        device with "auto"): ValueError otherwise."""
+        _check_device(config, {"target": target, "draft": draft})
         engine = cls.__new__(cls)
         engine._setup(config, target, draft, tokenizer)
         return engine
@@ -169,15 +182,34 @@ class Engine:
         same target forward as the others' verify windows and emit nothing this step.
         """
         start = time.perf_counter()
-        scheduled = self.scheduler.schedule()
-        self.num_scheduled = len(scheduled)
-        if not scheduled:
-            return []
-        deltas = self._step(scheduled)
+        scheduled: list[Sequence] | None = None
+        try:
+            scheduled = self.scheduler.schedule()
+            self.num_scheduled = len(scheduled)
+            if not scheduled:
+                return []
+            deltas = self._step(scheduled)
+        except BaseException as exc:
+            failed = self._release_failed(scheduled)
+            if isinstance(exc, Exception):
+                raise StepError(failed, exc) from exc
+            raise  # KeyboardInterrupt and friends stay what they are; their requests are released too
         if self.chunk_sizer is not None:
             self._sync()
             self.chunk_sizer.observe(time.perf_counter() - start, self.scheduler.num_prefill_tokens, self._verify_rows)
         return deltas
+
+    def _release_failed(self, scheduled: list[Sequence] | None) -> list[str]:
+        """Release the sequences a failed step ran (all the scheduler holds if scheduling itself
+        failed): their tables are in an unknown state, so they cannot go on. Returns their ids."""
+        if scheduled is None:
+            scheduled = self.scheduler.running + list(self.scheduler.waiting)
+        for seq in scheduled:
+            self._sequences.pop(seq.request_id, None)
+            if not seq.finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+        return [seq.request_id for seq in scheduled]
 
     def _step(self, scheduled: list[Sequence]) -> list[StepDelta]:
         fills = [s for s in scheduled if s.fills_only]
@@ -412,27 +444,31 @@ class Engine:
         self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None
     ) -> Iterator[StepDelta]:
         """Add every prompt, then yield each step's deltas until all are done."""
-        ids = [self.add_request(p, params) for p in prompts]
-        try:
-            while self.has_unfinished():
-                yield from self.step()
-        finally:
-            for rid in ids:
-                self.abort(rid)
+        yield from self._run(prompts, params, [])
 
     def generate(
         self, prompts: Iterable[str | list[int]], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
         """Run prompts to completion (batched); outputs in prompt order."""
-        prompts = list(prompts)
-        ids = [self.add_request(p, params) for p in prompts]
-        seqs = [self._sequences[r] for r in ids]
-        while self.has_unfinished():
-            self.step()
-        outputs = [self.output(s) for s in seqs]
-        for rid in ids:
-            self._sequences.pop(rid, None)
-        return outputs
+        seqs: list[Sequence] = []
+        for _ in self._run(prompts, params, seqs):
+            pass
+        return [self.output(s) for s in seqs]
+
+    def _run(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | None, seqs: list[Sequence]
+    ) -> Iterator[StepDelta]:
+        """Add the prompts (appending their sequences to `seqs`) and step until all are done.
+        However it ends (done, a bad prompt, a failed step, a consumer that stops reading), none
+        of these requests stays registered or holds a block."""
+        try:
+            for prompt in prompts:
+                seqs.append(self._sequences[self.add_request(prompt, params)])
+            while self.has_unfinished():
+                yield from self.step()
+        finally:
+            for seq in seqs:
+                self.abort(seq.request_id)
 
     def output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(
@@ -469,6 +505,20 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in both pools; returns how many."""
         return sum(p.reset_prefix_cache() for p in self._pools().values())
+
+
+def _check_device(config: EngineConfig, models: dict[str, torch.nn.Module | None]) -> None:
+    """Every model on one device, and that device `config.device` unless it is "auto"."""
+    devices = {name: next(m.parameters()).device for name, m in models.items() if m is not None}
+    wanted = None if config.device == "auto" else torch.device(config.device)
+    for name, device in devices.items():
+        if wanted is not None and (device.type != wanted.type or wanted.index not in (None, device.index)):
+            raise ValueError(
+                f"config.device is {config.device!r} but the {name} model is on {device}; move the "
+                f"models first (model.to({config.device!r})) or pass device='auto'"
+            )
+    if len(set(devices.values())) > 1:
+        raise ValueError(f"the models sit on different devices: {devices}")
 
 
 def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Block conservation with prefix sharing: any sequence of add / step / abort / preempt keeps both
-pools consistent — every held block counted once per holder, shared blocks never written, a
+"""Block conservation with prefix sharing: any sequence of add / step / abort / preempt / failed
+step keeps both pools consistent — every held block counted once per holder, shared blocks never written, a
 drained engine holding nothing but evictable cached blocks."""
 
 from collections import Counter
@@ -7,6 +7,7 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from specdec.engine import StepError
 from specdec.sampling_params import SamplingParams
 
 from .conftest import make_engine
@@ -19,6 +20,7 @@ OPS = st.lists(
         st.tuples(st.just("step")),
         st.tuples(st.just("abort"), st.integers(0, 30)),
         st.tuples(st.just("preempt"), st.integers(0, 30)),
+        st.tuples(st.just("fail")),
     ),
     min_size=1,
     max_size=40,
@@ -63,6 +65,8 @@ def test_random_operations_conserve_blocks(pair, ops, temperature, chunk):
         elif op[0] == "preempt" and engine.scheduler.running:
             running = engine.scheduler.running
             engine.scheduler.preempt(running[op[1] % len(running)])
+        elif op[0] == "fail":
+            fail_next_target_forward(engine)
         check_pools(engine)
     while engine.has_unfinished():
         engine.step()
@@ -70,3 +74,18 @@ def test_random_operations_conserve_blocks(pair, ops, temperature, chunk):
     for pool in (engine.target.pool, engine.proposer.pool):
         assert pool.num_used == 0  # only evictable cached blocks are left
         assert pool.num_free == pool.num_blocks
+
+
+def fail_next_target_forward(engine) -> None:
+    """A step whose target forward raises (the draft's forwards of that step have run)."""
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated device failure")
+
+    engine.target.forward = boom
+    try:
+        engine.step()
+    except StepError:
+        pass
+    finally:
+        del engine.target.forward  # the class's forward again
