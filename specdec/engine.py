@@ -45,7 +45,7 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        from specdec.loading import load_engine_parts
+        from specdec.engine_parts import load_engine_parts
 
         config = config or EngineConfig()
         target, draft, tokenizer = load_engine_parts(config)
@@ -64,7 +64,7 @@ class Engine:
         return engine
 
     def _setup(self, config: EngineConfig, target, draft, tokenizer) -> None:
-        from specdec.loading import build_runners
+        from specdec.engine_parts import build_runners
 
         self.config = config
         self.tokenizer = tokenizer
