@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_MIN_CAPABILITY = (8, 9)  # CUDA compute capability whose Triton converts e4m3 (Ada, Hopper)
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,13 @@ class KVCacheSpec:
                 raise ValueError(f"KVCacheSpec.{name} must be >= 1, got {getattr(self, name)}")
         if not self.dtype.is_floating_point:
             raise ValueError(f"KV cache dtype must be a floating type, got {self.dtype}")
+        if self.is_fp8 and torch.device(self.device).type == "cuda":
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < FP8_MIN_CAPABILITY:
+                raise ValueError(
+                    f"an fp8 KV cache needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                    f"{self.device} has {capability[0]}.{capability[1]}: use kv_dtype 'auto'"
+                )
 
     @property
     def is_fp8(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -46,6 +47,9 @@ def paged_attention_triton(
         )
     if head_dim != cache_head_dim:
         raise ValueError(f"query head dim {head_dim} != cache head dim {cache_head_dim}")
+    tensors = (k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+    if any(t.device != query.device for t in tensors):
+        raise ValueError(f"query, KV cache and metadata must share one device; the query is on {query.device}")
     out = torch.empty_like(query)
     if num_tokens == 0 or meta.max_query_len == 0:
         return out
@@ -58,25 +62,31 @@ def paged_attention_triton(
     block_m = _block_m(meta.max_query_len, group_pad)
     grid = (meta.num_seqs, -(-meta.max_query_len // block_m), num_kv_heads)
     dequant = k_cache.dtype != query.dtype or k_scale != 1.0 or v_scale != 1.0
-    paged_attention_kernel[grid](
-        query, k_cache, v_cache, out,
-        meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        float(scale), float(k_scale), float(v_scale),
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_tables.stride(0),
-        BLOCK_SIZE=k_cache.shape[1],
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(_next_pow2(head_dim), _MIN_DOT),
-        BLOCK_M=block_m,
-        BLOCK_N=64,
-        DEQUANT=dequant,
-        UPCAST_DOT=query.device.type == "cpu",  # CPU means the interpreter
-    )  # fmt: skip
+    upcast = query.device.type == "cpu"  # CPU means the interpreter
+    # Triton launches on the current CUDA device, not the tensors': on cuda:1 it must be cuda:1.
+    with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
+        paged_attention_kernel[grid](
+            query, k_cache, v_cache, out,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            float(scale), float(k_scale), float(v_scale),
+            query.stride(0), query.stride(1),
+            out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            meta.block_tables.stride(0),
+            BLOCK_SIZE=k_cache.shape[1],
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=max(_next_pow2(head_dim), _MIN_DOT),
+            BLOCK_M=block_m,
+            BLOCK_N=64,
+            DEQUANT=dequant,
+            UPCAST_DOT=upcast,
+            # fp32 dots in IEEE fp32, never TF32 (Triton's default on CUDA), or fp32 results
+            # drift from the reference that equality tests compare them with
+            DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
+        )  # fmt: skip
     return out
 
 

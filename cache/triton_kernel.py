@@ -42,6 +42,7 @@ def paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # key positions per inner step
     DEQUANT: tl.constexpr,  # cache dtype differs from the query's or scales != 1
     UPCAST_DOT: tl.constexpr,  # fp32 dots: the interpreter multiplies bf16 as raw uint16
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots ("tf32" applies to fp32 inputs only)
 ):
     """One program: BLOCK_M query tokens x the GROUP query heads sharing one KV head.
 
@@ -96,7 +97,7 @@ def paged_attention_kernel(
             if DEQUANT:
                 k = k.to(tl.float32) * k_scale
             k = k.to(q.dtype)
-            s = tl.dot(q, tl.trans(k)) * scale  # [R, Nt]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [R, Nt]
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -114,7 +115,7 @@ def paged_attention_kernel(
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [Nt, Dp]
             if DEQUANT:
                 v = v.to(tl.float32) * v_scale
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
 
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

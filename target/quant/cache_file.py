@@ -2,11 +2,14 @@
 
 The cache file holds the whole state dict after quantization (the formats' tensors, the bf16
 embedding and norms) plus a manifest of which linear became which format (`formats.FORMATS`); it
-is keyed on the model folder's path and the modification times of its weight files.
+is keyed on the model folder's path, the sizes and modification times of its weight files, the
+mode and dtype, and the text of the sources that define the stored layout (`layout_key`), as the
+kernel builds are (`specdec.native`): a layout change cannot hand the kernel a stale file.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,15 +23,28 @@ from torch import nn
 
 from specdec.paths import cache_dir
 from specdec.target.quant.formats import FORMATS, linear_kind
-from specdec.target.quant.smoothing import signature
 
-FORMAT_VERSION = "2"  # bump when quantization changes, so stale caches are not reused
+# What a cache file holds and how the kernel reads it: the converters, packers and fusers, the
+# smoothing and its calibration text, this file's manifest, and the kernel that reads the tiles.
+LAYOUT_SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("int4.py", "int8.py", "qlinear.py", "formats.py", "convert.py", "smoothing.py",
+                 "calibration.txt", "cache_file.py", "qgemm.c")
+)
+
+
+@functools.cache
+def layout_key(sources: tuple[Path, ...] = LAYOUT_SOURCES) -> str:
+    """A hash of the layout's sources and of torch's version (its int4 packing is torch's own)."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sources:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
     files = sorted(Path(model_dir).glob("*.safetensors"))
-    recipe = f"{mode}:{signature()}" if mode == "w8a8" else mode  # smoothing: calibration text, alpha
-    key = "|".join([FORMAT_VERSION, str(Path(model_dir).resolve()), recipe, str(dtype)]
+    key = "|".join([layout_key(), str(Path(model_dir).resolve()), mode, str(dtype)]
                    + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "quantized" / f"{Path(model_dir).name}-{mode}-{digest}.safetensors"

@@ -23,7 +23,6 @@ calibration text matters: the same 400 tokens scored KL 0.012 with an earlier, s
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,11 +38,6 @@ def calibration_text() -> str:
     """The calibration text, exactly as shipped (its first line is a lone backslash, a leftover of
     the string it once was: kept, since the smoothed weights depend on every token)."""
     return CALIBRATION_FILE.read_text(encoding="utf-8")
-
-
-def signature() -> str:
-    """Changes whenever the calibration text or alpha does (part of the cache key)."""
-    return hashlib.sha256(f"{ALPHA}|{calibration_text()}".encode()).hexdigest()[:12]
 
 
 @torch.inference_mode()

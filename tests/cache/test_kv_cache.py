@@ -87,3 +87,14 @@ def test_write_kv_fp8_saturates_instead_of_nan():
     big = torch.full((1, 2, 8), 1e6)
     write_kv(big, -big, k_cache, v_cache, torch.tensor([0]))
     assert k_cache[0, 0].float().eq(448).all() and v_cache[0, 0].float().eq(-448).all()
+
+
+@pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
+def test_fp8_cache_needs_compute_capability_8_9(monkeypatch, capability, refused):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    make = lambda: KVCacheSpec(2, 2, 8, 4, torch.float8_e4m3fn, device="cuda")  # noqa: E731
+    if refused:
+        with pytest.raises(ValueError, match="compute capability 8.9"):
+            make()
+    else:
+        assert make().is_fp8

@@ -1,10 +1,13 @@
 """The format registry: every mode converts, fuses and round-trips through a cache file bitwise."""
 
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 
 from specdec.target.quant import qlinear
-from specdec.target.quant.cache_file import load_quantized, save_quantized
+from specdec.target.quant.cache_file import LAYOUT_SOURCES, layout_key, load_quantized, save_quantized
 from specdec.target.quant.convert import prepare_quantized, quantize_model
 from specdec.target.quant.formats import FORMATS, MODES, linear_kind
 from specdec.target.quant.modes import QUANT_MODES
@@ -55,3 +58,17 @@ def test_prepare_fuses_qkv_and_gate_up_in_every_format(no_kernel_calls, mode):
     fmt = MODES[mode].format
     assert isinstance(layer.self_attn.qkv_proj, fmt.module) and layer.self_attn.q_proj is None
     assert isinstance(layer.mlp.gate_up_proj, fmt.module) and layer.mlp.up_proj is None
+
+
+def test_the_cache_key_follows_the_sources_of_the_layout(tmp_path):
+    """No hand-bumped version: editing a packer makes a new key, so the kernel never reads a
+    file laid out by older code."""
+    for fmt in FORMATS.values():
+        assert Path(inspect.getfile(fmt.module)) in LAYOUT_SOURCES
+    assert all(path.is_file() for path in LAYOUT_SOURCES)
+    source = tmp_path / "pack.py"
+    source.write_text("TILE = 16\n")
+    before = layout_key((source,))
+    source.write_text("TILE = 32\n")
+    layout_key.cache_clear()
+    assert layout_key((source,)) != before
