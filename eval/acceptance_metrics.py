@@ -44,6 +44,8 @@ def prompt_counts(
     """One prompt's counts: its run at k (trace, steps) and its target-only run (trace, steps)."""
     (spec_trace, spec_steps), (target_trace, target_steps) = spec, target
     drafting = [s for s in spec_steps if s.num_drafted > 0]
+    if any(s.num_drafted > k for s in drafting):
+        raise ValueError(f"a step drafted more than k = {k} tokens: was the run made at this k?")
     steps_by_drafts = np.zeros(k + 1)  # [k+1] steps that drafted n tokens, at index n
     for s in drafting:
         steps_by_drafts[s.num_drafted] += 1
