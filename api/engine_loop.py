@@ -106,9 +106,14 @@ class AsyncEngine:
     so a slow model load does not block the server). Call `start()` from the event loop.
     """
 
-    def __init__(self, engine: Any | Callable[[], Any], on_load_error: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self, engine: Any | Callable[[], Any], on_load_error: Callable[[str], None] | None = None,
+        warmup: Callable[[Any], Any] | None = None,
+    ) -> None:
         self._factory = engine if callable(engine) and not hasattr(engine, "step") else (lambda: engine)
         self._on_load_error = on_load_error
+        self._warmup = warmup  # run on the loaded engine before it is ready (specdec.warmup.warm_up)
+        self.phase = "loading"  # what /health reports until ready: loading, then warming up
         self._cond = threading.Condition()
         self._inbox: deque[tuple] = deque()  # guarded by _cond
         self._stopping = False
@@ -168,9 +173,14 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             engine = self._factory()
+            if self._warmup is not None:
+                self.phase = "warming up"
+                report = self._warmup(engine)
+                logger.info("warmed up in %.1fs (%d tokens in %d short requests)",
+                            report.seconds, report.num_tokens, report.num_passes)
         except BaseException as exc:  # noqa: BLE001 - any load failure must reach /health
             logger.exception("loading the engine failed")
-            self._die(f"model loading failed: {exc}")
+            self._die(f"model {self.phase} failed: {exc}")
             if self._on_load_error is not None:
                 self._on_load_error(self.error)
             return

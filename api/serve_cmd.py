@@ -1,7 +1,8 @@
 """`specdec serve`: the OpenAI-compatible server (chat + completions, SSE streaming, metrics, page).
 
-The models load on the engine thread while the server already listens, so `GET /health` answers
-503 until they are ready; if loading fails the server logs why and exits with status 1.
+The models load, then warm up (`specdec.warmup`; `--no-warmup` skips it), on the engine thread
+while the server already listens, so `GET /health` answers 503 ("loading", then "warming up") until
+the first request will be served warm; if loading fails the server logs why and exits with status 1.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ logger = logging.getLogger("specdec.api")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.cli import add_engine_args
+    from specdec.api.cli import add_engine_args, add_warmup_arg
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat/completions, streaming) over HTTP")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -29,6 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the target's name)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_warmup_arg(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -61,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or served_name(config.target), api_key=args.api_key,
         max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes, on_load_error=on_dead,
+        warmup=args.warmup,
     )
     app = create_app(lambda: Engine(config), settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    logger.info("serving %r on http://%s:%d (the chat page is at /; /health is 503 while the models load)",
+    logger.info("serving %r on http://%s:%d (the chat page is at /; /health is 503 while the models "
+                "load and warm up)",
                 settings.model_name, args.host, args.port)
     server.run()
     if failed:

@@ -32,10 +32,14 @@ PAGE = Path(__file__).parent / "static" / "index.html"
 
 def create_app(engine: Any | Callable[[], Any] | AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `engine`: an Engine, a factory that builds one (run on the engine thread, so
-    /health answers 503 while it loads), or an AsyncEngine."""
+    /health answers 503 while it loads, then while it warms up if `settings.warmup`), or an
+    AsyncEngine."""
     settings = settings or ServerSettings()
     if not isinstance(engine, AsyncEngine):
-        engine = AsyncEngine(engine, on_load_error=settings.on_load_error)
+        from specdec.warmup import warm_up
+
+        engine = AsyncEngine(engine, on_load_error=settings.on_load_error,
+                             warmup=warm_up if settings.warmup else None)
     state = ServerState(settings, engine)
 
     @asynccontextmanager
@@ -84,7 +88,7 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
         if engine.error is not None:
             return JSONResponse({"status": "error", "error": engine.error}, status_code=503)
         if engine.info is None:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            return JSONResponse({"status": engine.phase}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", tags=["service"])

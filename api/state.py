@@ -26,6 +26,7 @@ class ServerSettings:
     ping_seconds: float = 15.0  # SSE keep-alive comments; a failed ping notices a dead client
     send_timeout_seconds: float = 60.0  # a client that stops reading for this long is dropped
     on_load_error: Callable[[str], None] | None = None
+    warmup: bool = False  # run specdec.warmup.warm_up before /health turns 200 (`specdec serve` does)
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
