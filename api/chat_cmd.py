@@ -35,7 +35,7 @@ HELP = ("/reset forgets the conversation (the system prompt stays) · /exit or C
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.cli import add_engine_args, add_sampling_args, add_warmup_arg
+    from specdec.api.args import add_engine_args, add_sampling_args, add_warmup_arg
     from specdec.api.generate_cmd import add_display_args
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal, streamed (earlier turns "
@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from specdec.api.cli import engine_config_from_args, sampling_params_from_args
+    from specdec.api.args import engine_config_from_args, sampling_params_from_args
     from specdec.api.generate_cmd import LEGEND, describe_engine, load_engine, loaded_line
     from specdec.target.tokenizer import is_chat_model
 

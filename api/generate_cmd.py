@@ -26,7 +26,7 @@ LEGEND = ("[green]accepted draft[/green] · [bold red]corrected by target[/bold 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.cli import add_engine_args, add_sampling_args, add_warmup_arg
+    from specdec.api.args import add_engine_args, add_sampling_args, add_warmup_arg
 
     p = sub.add_parser("generate", help="generate text for one or more prompts, streamed")
     p.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched)")
@@ -51,7 +51,7 @@ def add_display_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from specdec.api.cli import engine_config_from_args, sampling_params_from_args
+    from specdec.api.args import engine_config_from_args, sampling_params_from_args
 
     params = sampling_params_from_args(args)
     config = engine_config_from_args(args)

@@ -16,7 +16,7 @@ logger = logging.getLogger("specdec.api")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.cli import add_engine_args, add_warmup_arg
+    from specdec.api.args import add_engine_args, add_warmup_arg
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat/completions, streaming) over HTTP")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -46,7 +46,7 @@ def served_name(target: str) -> str:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from specdec.api.cli import engine_config_from_args
+    from specdec.api.args import engine_config_from_args
     from specdec.api.server import create_app
     from specdec.api.state import ServerSettings
     from specdec.engine import Engine

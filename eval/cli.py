@@ -31,7 +31,7 @@ def _common(p: argparse.ArgumentParser, limit: int | None, seed_help: str) -> No
 
 
 def _add_acceptance(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.cli import add_engine_args
+    from specdec.api.args import add_engine_args
 
     p = sub.add_parser(
         "acceptance", help="acceptance, tau and speedup over target-only on HumanEval / ShareGPT, "
@@ -55,7 +55,7 @@ def _add_acceptance(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_latency(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.cli import add_engine_args
+    from specdec.api.args import add_engine_args
     from specdec.eval.systems import SYSTEMS
 
     p = sub.add_parser(
@@ -194,7 +194,7 @@ def _announce(files: list[Path]) -> None:
 
 @_missing_data_is_an_error
 def run_acceptance(args: argparse.Namespace) -> int:
-    from specdec.api.cli import engine_config_from_args
+    from specdec.api.args import engine_config_from_args
     from specdec.eval import acceptance, acceptance_report
     from specdec.eval.report import provenance
     from specdec.eval.runner import load_engine
@@ -220,7 +220,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
 
 @_missing_data_is_an_error
 def run_latency(args: argparse.Namespace) -> int:
-    from specdec.api.cli import engine_config_from_args
+    from specdec.api.args import engine_config_from_args
     from specdec.eval import latency
     from specdec.eval.report import provenance
 

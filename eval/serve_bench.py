@@ -228,7 +228,7 @@ async def run_all(opts: ServeBenchOptions, requests: list[SampledRequest], count
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
-    from specdec.target.loader import resolve_model
+    from specdec.target.model_files import resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(spec))
 

@@ -148,8 +148,8 @@ def load_transformers(spec: str, config):
     """The same weights our engine runs, as a transformers model in the same dtype and device."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.target.loader import resolve_model
-    from specdec.target.weights import parse_dtype
+    from specdec.target.model_files import resolve_model
+    from specdec.target.model_weights import parse_dtype
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(spec), dtype=parse_dtype(config.dtype))
     return model.to(config.resolved_device()).eval()

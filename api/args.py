@@ -1,0 +1,111 @@
+"""The command-line flags shared by the commands that build an engine or sample (generate, chat,
+serve, eval, bench), and their translation into EngineConfig / SamplingParams."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec.config import QUANT_MODES, EngineConfig
+from specdec.sampling_params import SamplingParams
+
+
+def add_warmup_arg(p: argparse.ArgumentParser) -> None:
+    """`--no-warmup` for the commands that warm the engine up before their first request."""
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the warm-up (one short greedy and one sampled request through both "
+                        "models after loading); the first request is then 2-4x slower")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags that shape the engine; shared by every subcommand that builds one."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--target", default="default-target",
+                   help="target model: HF folder, .gguf file, hub id (default: Qwen2.5-Coder-1.5B-Instruct)")
+    g.add_argument("--draft", default="default-draft",
+                   help="draft model, same forms (default: Qwen2.5-Coder-0.5B-Instruct)")
+    g.add_argument("--proposer", choices=["draft", "hybrid", "ngram"], default="hybrid",
+                   help="draft model; hybrid: prompt lookup where a 2-gram repeats, else the draft "
+                        "model; ngram: prompt lookup only (no model)")
+    g.add_argument("--no-speculation", action="store_true", help="plain target-only decoding")
+    g.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
+                   help="most draft tokens per step (exactly this many with --fixed-k; default: "
+                        f"{EngineConfig.num_speculative_tokens})")
+    g.add_argument("--fixed-k", action="store_true",
+                   help="always draft k tokens instead of choosing k per step from measured costs "
+                        "and acceptance (makes seeded sampling reproducible token for token)")
+    g.add_argument("--draft-stop-confidence", type=float, default=EngineConfig.draft_stop_confidence, metavar="P",
+                   help="with adaptive k, a sequence stops drafting once the draft's probability "
+                        "of its drafts so far falls below P (0: never)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--kv-cache-memory", type=float, default=2.0, metavar="GIB",
+                   help="KV cache budget for both models together, in GiB")
+    g.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
+                   help="KV cache dtype: the model's, or fp8 (e4m3)")
+    g.add_argument("--target-quant", choices=QUANT_MODES, default=None,
+                   help="CPU quantization of the target (auto: weight-only int4 where the weights "
+                        "sit on a 4-bit grid, as GGUF Q4_K does, else dense; int4: every linear; "
+                        "w8a8: int8 weights and activations, smoothed, cost flat in the number of "
+                        "verified tokens; w4a8-auto: int4 where on the 4-bit grid, else int8, "
+                        "activations int8 per group of 32, on specdec's AVX-512 VNNI kernel; w4a8: "
+                        "int4 everywhere on that kernel); cached after first use. Default: see README")
+    g.add_argument("--draft-quant", choices=QUANT_MODES, default=None,
+                   help="the same for the draft model. Default: see README")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
+    g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the KV of earlier requests' identical prompt prefixes")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="a fixed cap on the tokens of a step while any stream decodes (a long prompt "
+                        "is prefilled in chunks beside the running streams). Default: chunks sized "
+                        "from measured step times to keep steps within --prefill-gap-ratio")
+    g.add_argument("--prefill-gap-ratio", type=float, default=EngineConfig.prefill_gap_ratio, metavar="R",
+                   help="without --max-num-batched-tokens: a step carrying a prefill chunk takes at "
+                        "most R times a plain decode step (larger: prompts start sooner, streams "
+                        f"stutter more; default {EngineConfig.prefill_gap_ratio})")
+    g.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk, metavar="N",
+                   help="prefill chunk when no stream is decoding (default: "
+                        f"{EngineConfig.max_prefill_chunk})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        target=args.target,
+        draft=args.draft,
+        proposer="none" if args.no_speculation else args.proposer,
+        num_speculative_tokens=args.num_speculative_tokens,
+        adaptive_k=not args.fixed_k,
+        draft_stop_confidence=args.draft_stop_confidence,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory,
+        kv_dtype=args.kv_dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        target_quant=args.target_quant,
+        draft_quant=args.draft_quant,
+        enable_prefix_caching=args.prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_gap_ratio=args.prefill_gap_ratio,
+        max_prefill_chunk=args.max_prefill_chunk,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        max_tokens=args.max_tokens, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos,
+    )
