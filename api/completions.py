@@ -24,6 +24,7 @@ from specdec.api.protocol import ChatFormat, CompletionFormat, ResponseFormat, U
 from specdec.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, GenerationFields
 from specdec.api.state import ServerState, server_state
 from specdec.sequence import StepDelta
+from specdec.verify import AcceptanceStats
 
 router = APIRouter()
 
@@ -95,7 +96,7 @@ class ActiveRequest:
         self.usage = Usage(prompt_len)
         self.arrival = self.last_token_at = time.perf_counter()
         self.first_token_at: float | None = None
-        self.num_drafted = self.num_accepted = 0
+        self.stats = AcceptanceStats()  # the engine's counts, from the finishing delta
         self.finish_reason: str | None = None
         self.closed = False
 
@@ -123,14 +124,15 @@ class ActiveRequest:
             self.last_token_at = now
         self.usage.completion_tokens += num_tokens
         self.usage.cached_tokens = delta.num_cached_tokens
-        self.num_drafted += delta.num_drafted
-        self.num_accepted += delta.num_accepted
+        if delta.stats is not None:
+            self.stats = delta.stats
         if delta.finished:
             self.finish_reason = delta.finish_reason or "stop"
 
     def extension(self) -> dict[str, Any]:
-        rate = self.num_accepted / self.num_drafted if self.num_drafted else 0.0
-        return {"drafted": self.num_drafted, "accepted": self.num_accepted, "acceptance_rate": rate}
+        stats = self.stats
+        return {"drafted": stats.num_draft_tokens, "accepted": stats.num_accepted_tokens,
+                "acceptance_rate": stats.acceptance_rate}
 
     def close(self, outcome: str | None) -> None:
         """Release the slot and, if the engine still runs this request, abort it; count the

@@ -1,6 +1,8 @@
 """Proposers: a draft model with its own paged cache, n-gram prompt lookup, or both (hybrid)."""
 
-from specdec.draft.base import DraftOutput, DraftSequence, Proposer, SamplingTensors
+from specdec.draft.base import (
+    DraftOutput, DraftSequence, Proposer, SamplingTensors, SeqPlan, StepPlan, StepTimings,
+)
 from specdec.draft.hybrid import HybridProposer
 from specdec.draft.model_proposer import DraftModelProposer
 from specdec.draft.ngram import NgramProposer
@@ -13,4 +15,7 @@ __all__ = [
     "NgramProposer",
     "Proposer",
     "SamplingTensors",
+    "SeqPlan",
+    "StepPlan",
+    "StepTimings",
 ]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,7 +50,39 @@ class DraftSequence(Protocol):
 
     token_ids: list[int]
     draft_table: BlockTable | None
-    num_draft_fill: int  # tokens to feed the draft cache beside a prefill chunk this step
+
+
+@dataclass
+class SeqPlan:
+    """One sequence's part in a step, decided once by the engine's planner (`specdec.planner`).
+
+    `cap` bounds every draft of the step (KV slots, max_tokens, the context); `num_draft` is what
+    the draft model may propose (under early stop a cap: the proposer may stop sooner);
+    `num_lookup` what prompt lookup may propose (hybrid proposer; 0 = no lookup); `draft_fill`
+    the tokens the draft's cache is fed without logits (a prefill stretch, or a catch-up chunk of
+    a cache that fell far behind).
+    """
+
+    seq: DraftSequence
+    cap: int = 0
+    num_draft: int = 0
+    num_lookup: int = 0
+    draft_fill: int = 0
+
+
+@dataclass
+class StepPlan:
+    """A step's plan: every scheduled sequence in the scheduler's order (`seqs`), and of them the
+    `rows` that emit a token (decoding, or finishing their prompt) in batch order. The others
+    feed a prefill chunk that stops short of the prompt's end."""
+
+    seqs: list[SeqPlan]
+    rows: list[SeqPlan]
+
+    @property
+    def drafts(self) -> bool:
+        """Whether any row may be proposed drafts (by the model or by lookup)."""
+        return any(p.num_draft or p.num_lookup for p in self.rows)
 
 
 @dataclass
@@ -59,24 +94,67 @@ class DraftOutput:
     num_draft: list[int]  # [B] drafts actually proposed per row
     looked_up: list[bool] | None = None  # [B] row proposed by prompt lookup, not the model (hybrid)
 
+    @classmethod
+    def empty(cls, batch: int, device: torch.device) -> "DraftOutput":
+        return cls(torch.empty(batch, 0, dtype=torch.long, device=device), None, [0] * batch)
+
+    def trimmed(self) -> "DraftOutput":
+        """The same drafts, `[B, max(num_draft)]` wide (a proposer may stop short of its plan)."""
+        k = max(self.num_draft, default=0)
+        probs = self.probs[:, :k] if self.probs is not None else None
+        return DraftOutput(self.token_ids[:, :k], probs, self.num_draft, self.looked_up)
+
+    @property
+    def feeds_estimate(self) -> list[bool]:
+        """Rows whose verify result measures the draft model (the adaptive-k acceptance estimate):
+        all but prompt-lookup rows."""
+        return [not x for x in self.looked_up] if self.looked_up else [True] * len(self.num_draft)
+
+
+class StepTimings:
+    """Wall-clock seconds of one step's forwards, which the adaptive-k policy learns from
+    (`SpeculationPolicy.observe`). Records only while `enabled`: on CUDA a timed forward costs a
+    device sync.
+
+    `draft`: (rows fed, seconds) per draft-model forward; a model-free proposer records one entry
+    per step, (rows drafting, seconds per drafted position). `verify`: (rows, seconds) of the
+    target forward that verified. The engine clears both when a step starts.
+    """
+
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self.draft: list[tuple[int, float]] = []
+        self.verify: list[tuple[int, float]] = []
+
+    def clear(self) -> None:
+        self.draft.clear()
+        self.verify.clear()
+
+    @contextmanager
+    def timing(
+        self, records: list[tuple[int, float]], rows: int, device: torch.device, positions: int = 1
+    ) -> Iterator[None]:
+        """Append `(rows, seconds / positions)` of the block to `records` (the device queue drained)."""
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        records.append((rows, (time.perf_counter() - start) / positions))
+
 
 class Proposer(Protocol):
-    """Proposes up to `num_draft[b]` tokens for each sequence b."""
+    """Proposes drafts for the rows of a step's plan."""
 
     pool: BlockPool | None  # the proposer's own KV pool, if it has one
 
-    def fill(self, seqs: list[DraftSequence]) -> None:
-        """Queue prefill chunks for the proposer's cache (`num_draft_fill` tokens per sequence);
-        its next forward in this step, or `flush`, feeds them."""
+    def propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
+        """Drafts for `plan.rows` (`sampling` holds their rows), up to each row's `num_draft` /
+        `num_lookup`; a proposer with a cache also feeds every sequence's `draft_fill` tokens,
+        taken along by its first forward of the step (or one of their own)."""
         ...
-
-    def flush(self) -> None:
-        """Feed what `fill` queued if no forward of this step did."""
-        ...
-
-    def propose(
-        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
-    ) -> DraftOutput: ...
 
     def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
         """Cache slots the proposer needs for a sequence of `num_tokens` drafting `num_draft`."""

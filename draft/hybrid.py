@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from specdec.cache import BlockPool
-from specdec.draft.base import DraftOutput, DraftSequence, SamplingTensors
+from specdec.draft.base import DraftOutput, SamplingTensors, StepPlan
 from specdec.draft.model_proposer import DraftModelProposer
 from specdec.draft.ngram import NgramProposer
 
@@ -50,22 +50,16 @@ class HybridProposer:
     def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
         return self.model.draft_slots_needed(num_tokens, num_draft)
 
-    def fill(self, seqs: list[DraftSequence]) -> None:
-        self.model.fill(seqs)
-
-    def flush(self) -> None:
+    def propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
+        """Per row: what prompt lookup finds (up to `num_lookup`, even where `num_draft` is 0),
+        else the draft model's proposal (up to `num_draft`); the plan's fills ride in the model's
+        first forward."""
+        looked_up = [self.ngram.lookup(p.seq.token_ids, p.num_lookup) for p in plan.rows]
+        model_k = [0 if found else p.num_draft for found, p in zip(looked_up, plan.rows)]
+        seqs = [p.seq for p in plan.rows]
+        self.model.queue_fills(plan)
+        out = self.model.draft(seqs, model_k, sampling) if any(model_k) else None
         self.model.flush()
-
-    def propose(
-        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors,
-        lookup_limits: list[int] | None = None,
-    ) -> DraftOutput:
-        """`num_draft[b]` bounds the draft model's proposals; prompt lookup, which costs nothing,
-        may propose up to `lookup_limits[b]` (default: `num_draft[b]`), even where that is 0."""
-        limits = lookup_limits if lookup_limits is not None else num_draft
-        looked_up = [self.ngram.lookup(s.token_ids, n) for s, n in zip(seqs, limits)]
-        model_k = [0 if found else k for found, k in zip(looked_up, num_draft)]
-        out = self.model.propose(seqs, model_k, sampling) if any(model_k) else None
         drafted = out.num_draft if out is not None else [0] * len(seqs)  # may stop short of model_k
         counts = [len(found) if found else n for found, n in zip(looked_up, drafted)]
         k = max(counts, default=0)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from specdec.cache import BlockPool
-from specdec.draft.base import DraftOutput, DraftSequence, SamplingTensors
+from specdec.draft.base import DraftOutput, DraftSequence, SamplingTensors, StepPlan, StepTimings
 from specdec.target.runner import ModelRunner, Window
 from specdec.verify import sample, warp_probs
 
@@ -28,36 +26,57 @@ class DraftModelProposer:
     (verifying it costs a row, not a forward), but no forward is spent on d_{j+1}, which would
     most likely be thrown away. The stop depends only on the draft's proposals, so rejection
     sampling stays exact. `num_draft` is then a cap, and `DraftOutput.num_draft` what was drafted.
+
+    While `timings.enabled`, every forward appends (rows fed, seconds) to `timings.draft`.
     """
 
-    def __init__(self, runner: ModelRunner, timed: bool = False, stop_below: float = 0.0) -> None:
+    def __init__(
+        self, runner: ModelRunner, timings: StepTimings | None = None, stop_below: float = 0.0
+    ) -> None:
         self.runner = runner
-        # With `timed`, every draft forward appends (rows fed, seconds) here for the adaptive-k
-        # policy, which reads and clears it (on CUDA this costs a sync per forward).
-        self.timed = timed
+        self.timings = timings or StepTimings()  # each forward's (rows, seconds) while enabled
         self.stop_below = stop_below
-        self.forward_seconds: list[tuple[int, float]] = []
-        self._fill_windows: list[Window] = []  # queued by fill, run by the next draft forward
+        self._fill_windows: list[Window] = []  # queued fills, taken by the step's first forward
 
     @property
     def pool(self) -> BlockPool:
         return self.runner.pool
 
+    @property
+    def timed(self) -> bool:  # eval's switch (`eval.runner.time_draft_forwards`)
+        return self.timings.enabled
+
+    @timed.setter
+    def timed(self, on: bool) -> None:
+        self.timings.enabled = on
+
+    @property
+    def forward_seconds(self) -> list[tuple[int, float]]:  # eval reads the draft forwards' timings
+        return self.timings.draft
+
     def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
         # Positions written: the catch-up up to num_tokens-1, then d_1..d_{k-1}.
         return num_tokens + num_draft - 1 if num_draft > 0 else 0
 
-    def fill(self, seqs: list[DraftSequence]) -> None:
-        """Queue each sequence's `num_draft_fill` next tokens for the draft cache (prefill chunks
-        that ride beside the target's; no logits). The next draft forward takes them along, the
-        first of `propose` or else `flush`: one forward's fixed cost (~80% of a one-row draft
-        forward on a CPU) is not paid twice in a step."""
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
+        """Feed the plan's `draft_fill`s and draft up to `num_draft` tokens per row."""
+        self.queue_fills(plan)
+        out = self.draft([p.seq for p in plan.rows], [p.num_draft for p in plan.rows], sampling)
+        self.flush()
+        return out
+
+    def queue_fills(self, plan: StepPlan) -> None:
+        """Queue each sequence's `draft_fill` next tokens for the draft cache (prefill chunks that
+        ride beside the target's, catch-up chunks; no logits). The next draft forward takes them
+        along, or else `flush`: one forward's fixed cost (~80% of a one-row draft forward on a
+        CPU) is not paid twice in a step."""
         self._fill_windows = []
-        for seq in seqs:
-            if seq.num_draft_fill:
-                start = seq.draft_table.num_computed
-                tokens = seq.token_ids[start : start + seq.num_draft_fill]
-                self._fill_windows.append(Window(seq.draft_table, tokens, 0))
+        for p in plan.seqs:
+            if p.draft_fill:
+                table = p.seq.draft_table
+                tokens = p.seq.token_ids[table.num_computed : table.num_computed + p.draft_fill]
+                self._fill_windows.append(Window(table, tokens, 0))
 
     @torch.inference_mode()
     def flush(self) -> None:
@@ -70,9 +89,10 @@ class DraftModelProposer:
         return windows
 
     @torch.inference_mode()
-    def propose(
+    def draft(
         self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
     ) -> DraftOutput:
+        """Up to `num_draft[b]` drafts for sequence b; the first forward takes the queued fills."""
         b, k = len(seqs), max(num_draft, default=0)
         device = self.runner.device
         token_ids = torch.full((b, k), -1, dtype=torch.long, device=device)  # [B, k]
@@ -126,14 +146,9 @@ class DraftModelProposer:
         return torch.where(greedy, raw, q)
 
     def _forward(self, windows: list[Window]) -> torch.Tensor:
-        if not self.timed:
+        rows = sum(len(w.token_ids) for w in windows)
+        with self.timings.timing(self.timings.draft, rows, self.runner.device):
             return self.runner.forward(windows)
-        start = time.perf_counter()
-        logits = self.runner.forward(windows)
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
-        self.forward_seconds.append((sum(len(w.token_ids) for w in windows), time.perf_counter() - start))
-        return logits
 
     @staticmethod
     def _catch_up(seq: DraftSequence) -> Window:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.draft.base import DraftOutput, DraftSequence, SamplingTensors
+from specdec.draft.base import DraftOutput, SamplingTensors, StepPlan, StepTimings
 
 
 class NgramProposer:
@@ -18,28 +18,30 @@ class NgramProposer:
 
     pool = None
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self, min_n: int = 1, max_n: int = 4, device: str | torch.device = "cpu",
+        timings: StepTimings | None = None,
+    ) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
         self.device = torch.device(device)
+        self.timings = timings or StepTimings()  # one entry per drafting step while enabled
 
     def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
         return 0
 
-    def fill(self, seqs: list[DraftSequence]) -> None:
-        """No cache to fill."""
-
-    def flush(self) -> None:
-        """Nothing queued."""
-
-    def propose(
-        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
-    ) -> DraftOutput:
-        k = max(num_draft, default=0)
-        rows = [self.lookup(s.token_ids, n) for s, n in zip(seqs, num_draft)]
-        padded = [r + [-1] * (k - len(r)) for r in rows]
-        token_ids = torch.tensor(padded, dtype=torch.long, device=self.device).view(len(seqs), k)
+    def propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
+        """Up to `num_draft` looked-up tokens per row (no cache, so no fills)."""
+        num_draft = [p.num_draft for p in plan.rows]
+        if not any(num_draft):
+            return DraftOutput.empty(len(num_draft), self.device)
+        k = max(num_draft)
+        drafting = sum(1 for n in num_draft if n)
+        with self.timings.timing(self.timings.draft, drafting, self.device, positions=k):
+            rows = [self.lookup(p.seq.token_ids, n) for p, n in zip(plan.rows, num_draft)]
+            padded = [r + [-1] * (k - len(r)) for r in rows]
+            token_ids = torch.tensor(padded, dtype=torch.long, device=self.device).view(len(rows), k)
         return DraftOutput(token_ids, None, [len(r) for r in rows])
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:

@@ -30,6 +30,10 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdec.draft import StepTimings
 
 PRIOR_ACCEPTANCE = 0.8  # a draft of the target's family; a prior under break-even never retries
 PRIOR_WEIGHT = 4.0  # the prior counts as this many observed draft tokens
@@ -119,6 +123,14 @@ class SpeculationPolicy:
     def forget(self) -> None:
         """Drop every timing measured so far (warm-up's first, cold pass)."""
         self.__init__()
+
+    def observe(self, timings: StepTimings) -> None:
+        """Learn from one step's timed forwards: the draft model's (or a model-free proposer's
+        per-position time) and the target's verify forward."""
+        for rows, seconds in timings.draft:
+            self.draft_cost.observe(rows, seconds)
+        for rows, seconds in timings.verify:
+            self.verify_cost.observe(rows, seconds)
 
     def draft_forward_cost(self, rows: int) -> float:
         if self.draft_cost.seconds or self.draft_cost.prior is not None:

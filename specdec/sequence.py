@@ -102,6 +102,7 @@ class StepDelta:
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)  # text of each token (aligned with token_ids)
     num_cached_tokens: int = 0  # prompt tokens served from the target's prefix cache
+    stats: AcceptanceStats | None = None  # the request's acceptance counts, on its finishing delta
 
 
 @dataclass

@@ -1,10 +1,50 @@
-"""Incremental text for one request, with stop strings that never leak into the stream."""
+"""Where a request stops: EOS, stop strings (which never leak into the stream), stop token ids,
+max_tokens and the context limit."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from specdec.sequence import Sequence
+
+
+def append_until_stop(
+    seq: Sequence, new: list[int], eos_token_ids: set[int], max_model_len: int
+) -> tuple[list[int], list[str], str | None]:
+    """Append tokens until a stop; returns (emitted ids, their text pieces, finish reason).
+
+    EOS ends the request without being emitted (unless `ignore_eos`); a stop string ends it at the
+    token that completed it, with the stop string cut from the text; a stop token id is emitted
+    and ends it; tokens past a stop are dropped.
+
+    Example: eos {2}, new [7, 2, 9] -> appends 7 and 2, emits [7], reason "stop".
+    """
+    emitted: list[int] = []
+    pieces: list[str] = []
+    reason = None
+    for token in new:
+        seq.token_ids.append(token)
+        if not seq.params.ignore_eos and token in eos_token_ids:
+            reason = "stop"
+            break
+        emitted.append(token)
+        piece, hit = seq.detokenizer.push([token])
+        pieces.append(piece)
+        if hit or token in seq.params.stop_token_ids:
+            return emitted, pieces, "stop"
+        if seq.num_generated >= seq.params.max_tokens or seq.num_tokens >= max_model_len:
+            reason = "length"
+            break
+    if reason is not None:
+        tail, _ = seq.detokenizer.push([], final=True)
+        if pieces:
+            pieces[-1] += tail
+        elif tail:
+            pieces.append(tail)
+    return emitted, pieces, reason
 
 
 class StopChecker:

