@@ -46,8 +46,8 @@ class Scheduler:
 
     `schedule` first grows the running sequences (oldest first); when a pool is short it preempts
     the newest running sequence (frees its blocks; it is recomputed from its tokens later, reusing
-    whatever the prefix cache still holds). Then it admits waiting sequences in FIFO order while
-    both pools have room, the budget has tokens left and `max_num_seqs` allows. A new sequence
+    whatever the prefix cache still holds). Then, unless it preempted, it admits waiting sequences
+    in FIFO order while both pools have room, the budget has tokens left and `max_num_seqs` allows. A new sequence
     starts on the longest cached prefix of its tokens in each pool. It never raises on full memory.
     """
 
@@ -94,19 +94,23 @@ class Scheduler:
         else:
             left = self.budget.alone
         pending = list(self.running)
+        preempted = False
         while pending:
             seq = pending.pop(0)
             left -= self._set_chunk(seq, left)
             while not self._reserve(seq):
                 victim = self.running[-1]
                 self.preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
                 if victim in pending:
                     pending.remove(victim)
             else:
                 scheduled.append(seq)
-        while self.waiting and len(self.running) < self.max_num_seqs and left > 0:
+        # A step that had to preempt admits nothing (as vLLM v1): memory is short, and the victim,
+        # first in line, would be re-admitted at once only to recompute what it just gave up.
+        while not preempted and self.waiting and len(self.running) < self.max_num_seqs and left > 0:
             seq = self.waiting[0]
             if not self._admit(seq, left):
                 break
@@ -129,7 +133,7 @@ class Scheduler:
         draft = seq.draft_table
         # The draft's cache takes the same stretch, except beside the prompt's last chunk: the
         # first token must not wait for the draft (TTFT); what is left there is caught up once
-        # the sequence drafts (Engine._catch_up_first).
+        # the sequence drafts (StepPlanner._catch_up_first).
         lag = seq.num_tokens - 1 - draft.num_computed if draft is not None and chunk < pending else 0
         seq.num_draft_fill = max(0, min(lag, chunk))
         return chunk

@@ -52,15 +52,21 @@ def test_max_tokens_is_exact(pair):
         assert all(len(o.token_ids) == n and o.finish_reason == "length" for o in out)
 
 
-def test_eos_stops_and_is_not_emitted(pair):
+@pytest.mark.parametrize("proposer", ["draft", "none"])
+def test_eos_stops_and_is_not_emitted(pair, proposer):
+    """Without ignore_eos, the first EOS the target produces (as a draft it accepted or as its own
+    token) ends the request: neither the stream nor the output holds it or anything after it."""
     target, draft = pair
-    engine = make_engine(target, draft, num_speculative_tokens=3)
+    engine = make_engine(target, draft if proposer == "draft" else None, proposer=proposer, num_speculative_tokens=3)
     ref = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
     engine.eos_token_ids = {ref[5]}
     first = ref.index(ref[5])
-    out = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12))[0]
-    assert out.finish_reason == "stop"
-    assert out.token_ids[:first] == ref[:first]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    out = engine.generate([PROMPTS[0]], params)[0]
+    assert out.finish_reason == "stop" and out.token_ids == ref[:first]
+    deltas = list(engine.stream([PROMPTS[0]], params))
+    assert [t for d in deltas for t in d.token_ids] == ref[:first]
+    assert deltas[-1].finished and deltas[-1].finish_reason == "stop"
     assert engine.target.pool.num_used == 0
 
 
