@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from specdec import native
+from specdec import kernel_abi, native
+from specdec.kernel_abi import MAX_HEAD_DIM, check_tensor
 
 from .metadata import AttentionMetadata
 
@@ -22,16 +23,8 @@ KERNEL = native.NativeKernel(
     (Path(__file__).with_name("paged_attention.c"),),
     flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
     cpu_flags=("avx512f", "avx512bw", "avx512dq", "avx512vl"),
+    functions=("rope_write_attend",),
 )
-_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {
-    # qkv, row_stride, positions, cos, signed_sin, num_positions, k_cache, v_cache, num_slots,
-    # slots, block_tables, max_blocks, num_blocks, seq_lens, query_start_loc, num_seqs,
-    # block_size, hq, hkv, d, scale, out, threads
-    "rope_write_attend": [_P, _I64, _P, _P, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64, _P, _P,
-                          _I64, _I64, _I64, _I64, _I64, _F, _P, _I],
-}
-MAX_HEAD_DIM = 512  # the kernel's per-thread query buffer
 # Longer windows (prefill) go to SDPA: the kernel walks the keys once per query row, which at
 # 1,000 prompt tokens is 1.3x and at 3,000 2.1x slower than SDPA's blocked loops (draft prefill).
 MAX_QUERY_LEN = 64
@@ -39,20 +32,21 @@ MAX_QUERY_LEN = 64
 
 def load_attention() -> ctypes.CDLL | None:
     """The loaded kernel, building it on first use; None where it cannot run."""
-    return native.load(KERNEL, SIGNATURES)
+    return KERNEL.load()
 
 
 def supports(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
     """Whether `rope_write_attend` handles this step's layers: bf16 CPU tensors, a bf16 cache
-    stored unscaled, head_dim a multiple of 32 (rope works on 16-lane halves) up to 512, windows
-    of at most `MAX_QUERY_LEN` rows (decode and verify, not prefill). Decided by the first layer
-    of a forward and kept in `meta.scratch` for the others."""
+    stored unscaled, head_dim a multiple of 32 (rope works on 16-lane halves) up to
+    `MAX_HEAD_DIM`, windows of at most `MAX_QUERY_LEN` rows (decode and verify, not prefill).
+    Decided by the first layer of a forward and kept in `meta.scratch` for the others."""
     use = meta.scratch.get("cpu_attention")
     if use is None:
         head_dim = k_cache.shape[-1]
         use = meta.scratch["cpu_attention"] = bool(
             qkv.device.type == "cpu"
             and qkv.dtype == torch.bfloat16
+            and k_cache.device.type == "cpu"
             and k_cache.dtype == torch.bfloat16
             and k_scale == 1.0
             and v_scale == 1.0
@@ -78,36 +72,59 @@ def rope_write_attend(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq * D] bf16
-    """Rotate q and k, write k and v to their slots, attend: see `paged_attention.c`."""
-    num_blocks, block_size, _, head_dim = k_cache.shape
-    assert qkv.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert qkv.shape == (meta.num_tokens, (num_q_heads + 2 * num_kv_heads) * head_dim), qkv.shape
-    out = qkv.new_empty(qkv.shape[0], num_q_heads * head_dim)
-    rope = positions is not None
-    if rope and not (positions.dtype == torch.int64 and cos.dtype == signed_sin.dtype == torch.float32
-                     and positions.is_contiguous() and cos.is_contiguous() and signed_sin.is_contiguous()):
-        raise ValueError("rope needs contiguous int64 positions and fp32 cos / signed_sin tables")
+    """Rotate q and k, write k and v to their slots, attend: see `paged_attention.c`. Every
+    tensor is checked (`ValueError` naming it) before a pointer reaches the kernel."""
+    a = attention_descriptor(meta, positions, cos, signed_sin, k_cache, num_q_heads, num_kv_heads)
+    check_tensor("qkv", qkv, (torch.bfloat16,), (meta.num_tokens, (num_q_heads + 2 * num_kv_heads) * a.d))
+    check_tensor("v_cache", v_cache, (torch.bfloat16,), tuple(k_cache.shape))
     lib = meta.scratch.get("cpu_attention_lib") or load_attention()
     if lib is None:
-        reason = KERNEL.unavailable_reason() or f"its build failed (run it by hand: {KERNEL.command('x.so')})"
-        raise RuntimeError(f"the CPU attention kernel cannot run here: {reason}")
+        raise RuntimeError(f"the CPU attention kernel cannot run here: {KERNEL.unavailable_reason()}")
+    out = qkv.new_empty(qkv.shape[0], num_q_heads * a.d)
     rc = lib.rope_write_attend(
-        qkv.data_ptr(), qkv.shape[1],
-        positions.data_ptr() if rope else None, cos.data_ptr() if rope else None,
-        signed_sin.data_ptr() if rope else None, cos.shape[0] if rope else 0,
-        k_cache.data_ptr(), v_cache.data_ptr(), num_blocks * block_size, meta.slot_mapping.data_ptr(),
-        meta.block_tables.data_ptr(), meta.block_tables.shape[1], num_blocks, meta.seq_lens.data_ptr(),
-        meta.query_start_loc.data_ptr(), meta.num_seqs, block_size, num_q_heads, num_kv_heads,
-        head_dim, scale, out.data_ptr(), torch.get_num_threads(),
+        ctypes.byref(a), qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), scale,
+        out.data_ptr(), torch.get_num_threads(),
     )
-    if rc != 0:
-        raise ValueError(ERRORS.get(rc, f"rope_write_attend failed ({rc})"))
+    kernel_abi.raise_for_status(rc, "rope_write_attend")
     return out
 
 
-ERRORS = {
-    -1: "a position is outside the rotary table",
-    -2: "a slot is outside the KV cache",
-    -3: "a block table entry is outside the KV cache",
-    -4: "query rows, sequence lengths and block tables disagree",
-}
+def attention_descriptor(
+    meta: AttentionMetadata,
+    positions: torch.Tensor | None,  # [T] int64; None: no rope
+    cos: torch.Tensor | None,  # [P, D] fp32
+    signed_sin: torch.Tensor | None,  # [P, D] fp32
+    k_cache: torch.Tensor,  # [N, S, Hkv, D] bf16 (one layer's; its geometry is every layer's)
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> kernel_abi.Attention:
+    """The step's `struct specdec_attention`, after checking every tensor it points to and the
+    head sizes (`ValueError` naming what is wrong). The tensors must outlive its use."""
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [N, S, Hkv, D], got {list(k_cache.shape)}")
+    num_blocks, block_size, _, head_dim = k_cache.shape
+    check_tensor("k_cache", k_cache, (torch.bfloat16,), (num_blocks, block_size, num_kv_heads, head_dim))
+    if head_dim % 32 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be a multiple of 32 up to {MAX_HEAD_DIM} for the C kernel, got {head_dim}")
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    t, b = meta.num_tokens, meta.num_seqs
+    check_tensor("meta.slot_mapping", meta.slot_mapping, (torch.int64,), (t,))
+    check_tensor("meta.block_tables", meta.block_tables, (torch.int32,), (b, meta.block_tables.shape[-1]))
+    check_tensor("meta.seq_lens", meta.seq_lens, (torch.int32,), (b,))
+    check_tensor("meta.query_start_loc", meta.query_start_loc, (torch.int32,), (b + 1,))
+    rope = positions is not None
+    if rope:
+        if cos is None or signed_sin is None:
+            raise ValueError("rope needs the cos and signed_sin tables with positions")
+        check_tensor("positions", positions, (torch.int64,), (t,))
+        check_tensor("cos", cos, (torch.float32,), (cos.shape[0], head_dim))
+        check_tensor("signed_sin", signed_sin, (torch.float32,), tuple(cos.shape))
+    return kernel_abi.Attention(
+        positions=positions.data_ptr() if rope else None, cos=cos.data_ptr() if rope else None,
+        signed_sin=signed_sin.data_ptr() if rope else None, num_positions=cos.shape[0] if rope else 0,
+        num_slots=num_blocks * block_size, slots=meta.slot_mapping.data_ptr(),
+        block_tables=meta.block_tables.data_ptr(), max_blocks=meta.block_tables.shape[-1],
+        num_blocks=num_blocks, seq_lens=meta.seq_lens.data_ptr(), query_start_loc=meta.query_start_loc.data_ptr(),
+        num_seqs=b, block_size=block_size, hq=num_q_heads, hkv=num_kv_heads, d=head_dim,
+    )

@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "avx512_common.h"
+#include "kernel_abi.h"
 
 #define KEYS 16 /* keys per softmax chunk: one zmm of scores */
 
@@ -88,44 +89,49 @@ static void attend_one(const float *q, int64_t num_keys, int64_t d, const uint16
         _mm256_storeu_si256((__m256i *)(out + 16 * v), fp32x16_to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), inv)));
 }
 
-/* Checks the indices before anything is read or written: 0 when they are all in range, else
- * -1 (a position outside the rotary table), -2 (a slot outside the cache), -3 (a block id outside
- * the cache), -4 (lengths that contradict each other or the block tables). */
-static int check(const int64_t *positions, int64_t num_positions, const int64_t *slots, int64_t num_slots,
-                 const int32_t *block_tables, int64_t max_blocks, int64_t num_blocks,
-                 const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
-                 int64_t block_size) {
-    if (query_start_loc[0] != 0) return -4;
-    for (int64_t b = 0; b < num_seqs; b++) {
+/* Checks the sizes and indices before anything is read or written: SPECDEC_OK when they are all
+ * in range, else the status saying what is not (SPECDEC_ERR_INVALID_ARGUMENT: head sizes the
+ * kernel does not take or a missing buffer). */
+static int check(const struct specdec_attention *a, const uint16_t *qkv, int64_t row_stride,
+                 const uint16_t *k_cache, const uint16_t *v_cache, const uint16_t *out) {
+    if (!qkv || !k_cache || !v_cache || !out || !a->slots || !a->block_tables || !a->seq_lens ||
+        !a->query_start_loc || (a->positions && (!a->cos || !a->signed_sin)) || a->d <= 0 ||
+        a->d % 32 || a->d > SPECDEC_MAX_HEAD_DIM || a->hq <= 0 || a->hkv <= 0 || a->hq % a->hkv ||
+        row_stride < (a->hq + 2 * a->hkv) * a->d || a->num_seqs < 0 || a->block_size <= 0)
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+    const int32_t *query_start_loc = a->query_start_loc, *seq_lens = a->seq_lens;
+    if (query_start_loc[0] != 0) return SPECDEC_ERR_LENGTHS;
+    for (int64_t b = 0; b < a->num_seqs; b++) {
         const int64_t query_len = query_start_loc[b + 1] - query_start_loc[b];
-        if (query_len < 0 || query_len > seq_lens[b] || seq_lens[b] > max_blocks * block_size) return -4;
-        for (int64_t i = 0; i < (seq_lens[b] + block_size - 1) / block_size; i++) {
-            const int32_t block = block_tables[b * max_blocks + i];
-            if (block < 0 || block >= num_blocks) return -3;
+        if (query_len < 0 || query_len > seq_lens[b] || seq_lens[b] > a->max_blocks * a->block_size)
+            return SPECDEC_ERR_LENGTHS;
+        for (int64_t i = 0; i < (seq_lens[b] + a->block_size - 1) / a->block_size; i++) {
+            const int32_t block = a->block_tables[b * a->max_blocks + i];
+            if (block < 0 || block >= a->num_blocks) return SPECDEC_ERR_BLOCK;
         }
     }
-    for (int64_t t = 0; t < query_start_loc[num_seqs]; t++) {
-        if (positions && (positions[t] < 0 || positions[t] >= num_positions)) return -1;
-        if (slots[t] < 0 || slots[t] >= num_slots) return -2;
+    for (int64_t t = 0; t < query_start_loc[a->num_seqs]; t++) {
+        if (a->positions && (a->positions[t] < 0 || a->positions[t] >= a->num_positions)) return SPECDEC_ERR_POSITION;
+        if (a->slots[t] < 0 || a->slots[t] >= a->num_slots) return SPECDEC_ERR_SLOT;
     }
-    return 0;
+    return SPECDEC_OK;
 }
 
-/* qkv [T, row_stride] bf16 holds each row's q (hq heads), k (hkv heads) and v (hkv heads) of
- * head_dim d (a multiple of 32, at most 512); q and k are rotated in place unless `positions` is
- * NULL (cos and signed_sin are fp32 [num_positions, d] tables indexed by `positions [T]`). Caches
- * are bf16 [num_slots, hkv, d]; `slots [T]` is each row's slot; `block_tables [B, max_blocks]`,
- * `seq_lens [B]` and `query_start_loc [B+1]` are int32. out [T, hq * d] bf16. Returns 0, or the
- * negative code of `check`. */
-int rope_write_attend(uint16_t *qkv, int64_t row_stride, const int64_t *positions, const float *cos,
-                      const float *signed_sin, int64_t num_positions, uint16_t *k_cache, uint16_t *v_cache,
-                      int64_t num_slots, const int64_t *slots, const int32_t *block_tables,
-                      int64_t max_blocks, int64_t num_blocks, const int32_t *seq_lens,
-                      const int32_t *query_start_loc, int64_t num_seqs, int64_t block_size, int64_t hq,
-                      int64_t hkv, int64_t d, float scale, uint16_t *out, int threads) {
-    const int rc = check(positions, num_positions, slots, num_slots, block_tables, max_blocks, num_blocks,
-                         seq_lens, query_start_loc, num_seqs, block_size);
-    if (rc != 0) return rc;
+/* qkv [T, row_stride] bf16 holds each row's q (a->hq heads), k (a->hkv heads) and v (a->hkv heads)
+ * of head_dim a->d (a multiple of 32, at most SPECDEC_MAX_HEAD_DIM); q and k are rotated in place
+ * unless a->positions is NULL (a->cos and a->signed_sin are fp32 [num_positions, d] tables indexed
+ * by positions [T]). Caches are bf16 [num_slots, hkv, d]; a->slots [T] is each row's slot;
+ * block_tables [B, max_blocks], seq_lens [B] and query_start_loc [B+1] are int32. out [T, hq * d]
+ * bf16. Returns SPECDEC_OK, or the status of `check`. */
+int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t row_stride,
+                      uint16_t *k_cache, uint16_t *v_cache, float scale, uint16_t *out, int threads) {
+    const int rc = check(a, qkv, row_stride, k_cache, v_cache, out);
+    if (rc != SPECDEC_OK) return rc;
+    const int64_t *positions = a->positions, *slots = a->slots;
+    const float *cos = a->cos, *signed_sin = a->signed_sin;
+    const int32_t *block_tables = a->block_tables, *seq_lens = a->seq_lens, *query_start_loc = a->query_start_loc;
+    const int64_t max_blocks = a->max_blocks, num_seqs = a->num_seqs, block_size = a->block_size;
+    const int64_t hq = a->hq, hkv = a->hkv, d = a->d;
     const int64_t num_rows = query_start_loc[num_seqs];
     const int64_t kv_width = hkv * d;
 #pragma omp parallel num_threads(threads)
@@ -141,7 +147,7 @@ int rope_write_attend(uint16_t *qkv, int64_t row_stride, const int64_t *position
             memcpy(v_cache + slots[t] * kv_width, row + (hq + hkv) * d, (size_t)kv_width * 2);
         }
         /* implicit barrier: every key of this step is in the cache before anyone attends */
-        float q[512], acc[512]; /* d <= 512 */
+        float q[SPECDEC_MAX_HEAD_DIM], acc[SPECDEC_MAX_HEAD_DIM]; /* checked: d <= SPECDEC_MAX_HEAD_DIM */
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_rows * hq; item++) {
             const int64_t t = item / hq, h = item % hq;
@@ -157,5 +163,5 @@ int rope_write_attend(uint16_t *qkv, int64_t row_stride, const int64_t *position
                        out + t * hq * d + h * d);
         }
     }
-    return 0;
+    return SPECDEC_OK;
 }

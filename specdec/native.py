@@ -1,12 +1,15 @@
 """Build specdec's C kernels for this CPU once, and load them with ctypes.
 
-A kernel is a library of plain C sources with AVX-512 intrinsics (`target/qgemm.c` with
-`target/decoder.c`, `cache/paged_attention.c`), sharing the helpers of `avx512_common.h`.
-It is compiled with the system C compiler into `<cache>/kernels` (~2 s, once), keyed on the source,
-the flags and the compiler version, then loaded with ctypes, which releases the GIL during calls.
+A kernel is a library of plain C sources with AVX-512 intrinsics (`target/quant/qgemm.c`,
+`cache/paged_attention.c`, `target/quant/decoder.c` with both), sharing the helpers of
+`avx512_common.h` and the declarations of `kernel_abi.h`; `kernel_abi.c` (plain C) is built into
+each. It is compiled with the system C compiler into `<cache>/kernels` (~2 s, once), keyed on the
+sources, the headers, the flags and the compiler version, then loaded with ctypes, which releases
+the GIL during calls, and checked against `kernel_abi.py` (prototypes, struct layouts, constants).
 OpenMP resolves to the runtime torch already loaded, so kernels and torch share one thread pool.
-Where there is no compiler, the CPU lacks the instructions, or `SPECDEC_NO_KERNELS=1` is set,
-`load()` returns None and callers keep their torch path.
+Where there is no compiler, the CPU lacks the instructions, the build fails (the compiler's
+message is kept) or `SPECDEC_NO_KERNELS=1` is set, `load()` returns None, `unavailable_reason()`
+says why, and callers keep their torch path.
 """
 
 from __future__ import annotations
@@ -22,39 +25,54 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec import kernel_abi
 from specdec.paths import cache_dir
 
-COMMON_HEADER = Path(__file__).with_name("avx512_common.h")  # included by every kernel
-BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-fPIC", "-shared", f"-I{COMMON_HEADER.parent}")
+HERE = Path(__file__).parent
+HEADERS = (HERE / "avx512_common.h", HERE / "kernel_abi.h")  # on the include path, in every key
+ABI_SOURCE = HERE / "kernel_abi.c"  # built into every library: its layout table
+BASE_FLAGS = ("-O3", "-std=c11", "-fopenmp", "-fPIC", "-shared", f"-I{HERE}")
+
+
+class KernelBuildError(RuntimeError):
+    """The compiler refused a kernel: the message holds its command and the compiler's output."""
 
 
 @dataclass(frozen=True)
 class NativeKernel:
-    """C sources built into one library, the compiler flags they need and the CPU flags
-    (`/proc/cpuinfo`) they run on."""
+    """C sources built into one library, the compiler flags they need, the CPU flags
+    (`/proc/cpuinfo`) they run on and the functions it exports (`kernel_abi.PROTOTYPES`)."""
 
     sources: tuple[Path, ...]
     flags: tuple[str, ...]
     cpu_flags: tuple[str, ...]
+    functions: tuple[str, ...] = ()
 
     def unavailable_reason(self) -> str | None:
         """Why the kernel cannot be used on this machine, or None when it can (the environment
-        is read on every call, the machine once)."""
+        is read on every call, the machine once; where the machine fits, this builds and loads
+        the library once, and a failure's reason carries the compiler's message)."""
         if os.environ.get("SPECDEC_NO_KERNELS") == "1":
             return "SPECDEC_NO_KERNELS=1 is set"
-        return _machine_reason(self.cpu_flags)
+        return _machine_reason(self.cpu_flags) or _load(self)[1]
 
-    def command(self, out: str) -> str:
-        """The build command, for error messages."""
-        return " ".join([compiler() or "cc", *BASE_FLAGS, *self.flags, *map(str, self.sources), "-o", out])
+    def load(self) -> ctypes.CDLL | None:
+        """The loaded, checked library, building it on first use; None where it cannot run."""
+        return None if self.unavailable_reason() is not None else _load(self)[0]
+
+    def command(self, out: str) -> list[str]:
+        """The build command."""
+        return [compiler() or "cc", *BASE_FLAGS, *self.flags, *map(str, (*self.sources, ABI_SOURCE)), "-o", out]
 
     def build(self) -> Path:
-        """Compile into the cache folder unless this source, flags and compiler are already there."""
+        """Compile into the cache folder unless these sources, flags and compiler are already
+        there; `KernelBuildError` with the compiler's message where it fails."""
         cc = compiler()
+        if cc is None:
+            raise KernelBuildError("no C compiler (cc/gcc) on PATH")
         version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-        flags = [*BASE_FLAGS, *self.flags]
-        texts = [p.read_text() for p in (*self.sources, COMMON_HEADER)]
-        key = hashlib.sha256("|".join([*texts, " ".join(flags), version]).encode())
+        texts = [p.read_text() for p in (*self.sources, ABI_SOURCE, *HEADERS)]
+        key = hashlib.sha256("|".join([*texts, " ".join([*BASE_FLAGS, *self.flags]), version]).encode())
         path = cache_dir() / "kernels" / f"{self.sources[0].stem}-{key.hexdigest()[:16]}.so"
         if path.is_file():
             return path
@@ -62,7 +80,12 @@ class NativeKernel:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".so")
         os.close(fd)
         try:
-            subprocess.run([cc, *flags, *map(str, self.sources), "-o", tmp], check=True, capture_output=True)
+            command = self.command(tmp)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise KernelBuildError(
+                    f"building {self.sources[0].name} failed ({' '.join(command)}):\n{done.stderr.strip()}"
+                )
             os.chmod(tmp, 0o755)
             os.replace(tmp, path)  # atomic: concurrent builders race harmlessly
         finally:
@@ -71,24 +94,19 @@ class NativeKernel:
         return path
 
 
-def load(kernel: NativeKernel, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """The loaded library with `signatures` (name -> ctypes argtypes; every function returns int),
-    building it on first use; None where it cannot run or its build failed."""
-    if kernel.unavailable_reason() is not None:
-        return None
-    return _load(kernel, tuple((name, tuple(argtypes)) for name, argtypes in signatures.items()))
+def open_library(path: Path, functions: tuple[str, ...]) -> ctypes.CDLL:
+    """`path` loaded with ctypes, `functions` declared and its layout checked (`kernel_abi.bind`).
+    Loading runs no kernel code, so this works on any x86-64 CPU."""
+    return kernel_abi.bind(ctypes.CDLL(str(path)), functions)
 
 
 @functools.cache
-def _load(kernel: NativeKernel, signatures: tuple) -> ctypes.CDLL | None:
+def _load(kernel: NativeKernel) -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) or (None, why not), once per kernel."""
     try:
-        lib = ctypes.CDLL(str(kernel.build()))
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    for name, argtypes in signatures:
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = ctypes.c_int, list(argtypes)
-    return lib
+        return open_library(kernel.build(), kernel.functions), None
+    except (OSError, KernelBuildError, kernel_abi.KernelABIError) as e:
+        return None, str(e)
 
 
 @functools.cache

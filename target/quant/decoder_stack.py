@@ -12,10 +12,21 @@ import ctypes
 
 import torch
 
+from specdec import kernel_abi, native
 from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention
-from specdec.target.quant.qgemm import load_qgemm
+from specdec.kernel_abi import check_tensor
+from specdec.target.quant import qgemm
 from specdec.target.quant.qlinear import QLinear
 from specdec.target.rope import Rotation
+
+# qgemm and rope_write_attend in one library, so decoder.c calls them directly (linked, checked
+# against kernel_abi.h by the compiler) rather than through a pointer passed in from Python.
+KERNEL = native.NativeKernel(
+    (qgemm.SOURCE.with_name("decoder.c"), qgemm.SOURCE, cpu_attention.KERNEL.sources[0]),
+    flags=tuple(dict.fromkeys(qgemm.KERNEL.flags + cpu_attention.KERNEL.flags)),
+    cpu_flags=tuple(dict.fromkeys(qgemm.KERNEL.cpu_flags + cpu_attention.KERNEL.cpu_flags)),
+    functions=("decoder_layers",),
+)
 
 
 class NativeDecoderStack:
@@ -29,24 +40,31 @@ class NativeDecoderStack:
         self.num_layers = len(layers)
         self.num_q_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.scale = first.scale
+        self.hidden = layers[0].input_layernorm.weight.shape[0]
         self.intermediate = layers[0].mlp.down_proj.in_features
         norm = layers[0].input_layernorm
         self.eps, self.norm_bf16 = norm.eps, norm.weight.dtype == torch.bfloat16
         self._refs: list[torch.Tensor] = []  # keeps every buffer the table points to alive
-        rows = []
-        for layer in layers:
-            row = []
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj):
-                row += [self._ptr(linear.tiles), self._ptr(linear.tile_offsets), self._ptr(linear.tile_bits),
-                        linear.in_features, linear.out_features,
-                        0 if linear.bias is None else self._ptr(linear.bias)]
-            row += [self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight)]
-            rows.append(row)
-        self.table = torch.tensor(rows, dtype=torch.int64)  # [L, 26]: decoder.c's struct layer
+        self.table = (kernel_abi.Layer * self.num_layers)()  # decoder.c's layers
+        for row, layer in zip(self.table, layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for field, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                  ("down", mlp.down_proj)):
+                setattr(row, field, self._linear(linear))
+            row.input_norm = self._ptr("input_layernorm.weight", layer.input_layernorm.weight)
+            row.post_attention_norm = self._ptr("post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
 
-    def _ptr(self, t: torch.Tensor) -> int:
-        assert t.is_contiguous()
+    def _linear(self, linear: QLinear) -> kernel_abi.Linear:
+        qgemm.check_weights(linear.tiles, linear.tile_offsets, linear.tile_bits, linear.bias, linear.in_features,
+                            linear.out_features)
+        self._refs += [t for t in (linear.tiles, linear.tile_offsets, linear.tile_bits, linear.bias) if t is not None]
+        return kernel_abi.Linear(
+            linear.tiles.data_ptr(), linear.tile_offsets.data_ptr(), linear.tile_bits.data_ptr(),
+            linear.in_features, linear.out_features, None if linear.bias is None else linear.bias.data_ptr(),
+        )
+
+    def _ptr(self, name: str, t: torch.Tensor) -> int:
+        check_tensor(name, t, (torch.bfloat16 if self.norm_bf16 else torch.float32,), (self.hidden,))
         self._refs.append(t)
         return t.data_ptr()
 
@@ -54,7 +72,8 @@ class NativeDecoderStack:
     def build(cls, model) -> "NativeDecoderStack | None":
         """The stack of a model whose every layer fits `decoder.c`, else None (the Python loop
         runs): q/k/v and gate/up fused, all four linears `QLinear`, RMSNorm weights of one dtype
-        (bf16 or fp32) and eps, head_dim a multiple of 32, and the kernels built."""
+        (bf16 or fp32) and eps, head_dim a multiple of 32 (at most `MAX_HEAD_DIM`), and the
+        kernels built."""
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not layers:
             return None
@@ -68,44 +87,40 @@ class NativeDecoderStack:
             and len({(n.weight.dtype, n.eps) for n in norms}) == 1
             and norms[0].weight.dtype in (torch.bfloat16, torch.float32)
             and layers[0].self_attn.head_dim % 32 == 0
+            and layers[0].self_attn.head_dim <= kernel_abi.MAX_HEAD_DIM
         )
-        if not fits or (lib := load_qgemm()) is None or cpu_attention.load_attention() is None:
+        if not fits or (lib := KERNEL.load()) is None:
             return None
         return cls(model, lib)
 
     def run(self, h: torch.Tensor, rotation: Rotation, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """Run every layer on `h [T, hidden]` in place; False (nothing done) where this step
-        cannot: not bf16 on the CPU, or a cache the C attention does not read (fp8, scaled)."""
+        cannot: not bf16 on the CPU, or a cache the C attention does not read (fp8, scaled).
+        `ValueError` where a tensor it reads is malformed."""
         k_cache = kv_cache.layer(0)[0]
         if not (
             h.dtype == torch.bfloat16
+            and h.device.type == "cpu"
             and h.is_contiguous()
             and kv_cache.kv.is_contiguous()
             and cpu_attention.supports(meta, h, k_cache, kv_cache.k_scale, kv_cache.v_scale)
         ):
             return False
         t = h.shape[0]
-        num_blocks, block_size = k_cache.shape[:2]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
-        attention = torch.tensor(
-            [rotation.positions.data_ptr(), rotation.cos_table.data_ptr(), rotation.signed_sin_table.data_ptr(),
-             rotation.cos_table.shape[0], kv_cache.kv.data_ptr(), num_blocks * block_size,
-             meta.slot_mapping.data_ptr(), meta.block_tables.data_ptr(), meta.block_tables.shape[1],
-             num_blocks, meta.seq_lens.data_ptr(), meta.query_start_loc.data_ptr(), meta.num_seqs,
-             block_size, hq, hkv, d],
-            dtype=torch.int64,
-        )  # decoder.c's struct attention
+        check_tensor("h", h, (torch.bfloat16,), (t, self.hidden))
+        num_blocks, block_size = k_cache.shape[:2]
+        check_tensor("kv_cache.kv", kv_cache.kv, (torch.bfloat16,), (self.num_layers, 2, num_blocks, block_size, hkv, d))
+        attention = cpu_attention.attention_descriptor(
+            meta, rotation.positions, rotation.cos_table, rotation.signed_sin_table, k_cache, hq, hkv
+        )
         qkv = h.new_empty(t, (hq + 2 * hkv) * d)
         att = h.new_empty(t, hq * d)
         gate_up = h.new_empty(t, 2 * self.intermediate)
-        attend = meta.scratch.get("cpu_attention_lib") or cpu_attention.load_attention()
         rc = self.lib.decoder_layers(
-            h.data_ptr(), t, self.table.data_ptr(), self.num_layers, self.norm_bf16, self.eps,
-            attention.data_ptr(), ctypes.cast(attend.rope_write_attend, ctypes.c_void_p).value, self.scale,
-            qkv.data_ptr(), att.data_ptr(), gate_up.data_ptr(), torch.get_num_threads(),
+            h.data_ptr(), t, self.table, self.num_layers, self.norm_bf16, self.eps, ctypes.byref(attention),
+            kv_cache.kv.data_ptr(), self.scale, qkv.data_ptr(), att.data_ptr(), gate_up.data_ptr(),
+            torch.get_num_threads(),
         )
-        if rc == -100:
-            raise MemoryError("qgemm could not allocate its activation buffers")
-        if rc != 0:
-            raise ValueError(cpu_attention.ERRORS.get(rc, f"rope_write_attend failed ({rc})"))
+        kernel_abi.raise_for_status(rc, "decoder_layers")
         return True

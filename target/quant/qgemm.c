@@ -27,9 +27,10 @@
 #include <stdlib.h>
 
 #include "avx512_common.h"
+#include "kernel_abi.h"
 
-#define GROUP 32
-#define TILE 16
+#define GROUP SPECDEC_GROUP
+#define TILE SPECDEC_TILE
 #define MAX_ROWS 6
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
@@ -193,18 +194,24 @@ static inline void store_rows(const __m512 *acc, int R, const float *bias, const
  * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
  * the byte offset of each tile in it and `tile_bits[N/16]` its format (4 or 8). x, y, residual
  * [M, N] (NULL: none; may be y) and norm_w are fp32 or bf16 (flags; residual as y), bias fp32
- * or NULL. Returns 0, or -1 when out of memory. */
+ * or NULL. Returns SPECDEC_OK, SPECDEC_ERR_INVALID_ARGUMENT (sizes off the tile grid, a missing
+ * buffer, a tile neither int4 nor int8, norm and glu together) or SPECDEC_ERR_NO_MEMORY. */
 int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_t *tiles,
           const int64_t *tile_offsets, const uint8_t *tile_bits, int64_t n, const float *bias,
           const void *residual, void *y, int y_bf16, const void *norm_w, int norm_w_bf16, float eps,
           int threads) {
+    if (!x || !tiles || !tile_offsets || !tile_bits || !y || m < 0 || k <= 0 || k % GROUP || n <= 0 ||
+        n % TILE || (glu && norm_w))
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+    for (int64_t t = 0; t < n / TILE; t++)
+        if (tile_bits[t] != 4 && tile_bits[t] != 8) return SPECDEC_ERR_INVALID_ARGUMENT;
     const int64_t groups = k / GROUP;
     int8_t *xq = (int8_t *)malloc((size_t)(m * k));
     float(*gc)[4] = (float(*)[4])malloc(sizeof(float[4]) * (size_t)(m * groups));
     float *inv_rms = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
     if (!xq || !gc || !inv_rms) {
         free(xq), free(gc), free(inv_rms);
-        return -1;
+        return SPECDEC_ERR_NO_MEMORY;
     }
     if (norm_w) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > (1 << 16))
@@ -234,5 +241,5 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         }
     }
     free(xq), free(gc), free(inv_rms);
-    return 0;
+    return SPECDEC_OK;
 }

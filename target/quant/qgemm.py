@@ -1,8 +1,8 @@
-"""Build and load the group-quantized GEMM kernel (`qgemm.c`, with the decoder-layer loop of
-`decoder.c` that calls it) for this CPU (see `specdec.native`).
+"""Build and load the group-quantized GEMM kernel (`qgemm.c`) for this CPU (see `specdec.native`),
+and check a `QLinear`'s buffers before their pointers reach it (`check_weights`).
 
-Where there is no compiler, no AVX-512 VNNI, or `SPECDEC_NO_KERNELS=1` is set, `load_qgemm()`
-returns None and the engine keeps torch's kernels (`"w8a8"`).
+Where there is no compiler, no AVX-512 VNNI, the build failed, or `SPECDEC_NO_KERNELS=1` is set,
+`load_qgemm()` returns None and the engine keeps torch's kernels (`"w8a8"`).
 """
 
 from __future__ import annotations
@@ -10,23 +10,20 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import torch
+
 from specdec import native
+from specdec.kernel_abi import GROUP, TILE, check_tensor
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 KERNEL = native.NativeKernel(
-    (SOURCE, Path(__file__).with_name("decoder.c")),
+    (SOURCE,),
     flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-    cpu_flags=("avx512f", "avx512bw", "avx512_vnni"),
+    cpu_flags=("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    functions=("qgemm",),
 )
-_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {
-    # x, x_bf16, m, k, glu, tiles, tile_offsets, tile_bits, n, bias, residual, y, y_bf16,
-    # norm_w, norm_w_bf16, eps, threads
-    "qgemm": [_P, _I, _I64, _I64, _I, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I, _F, _I],
-    # h, num_rows, layers, num_layers, norm_bf16, eps, attention, attend, scale, qkv, att,
-    # gate_up, threads
-    "decoder_layers": [_P, _I64, _P, _I64, _I, _F, _P, _P, _F, _P, _P, _P, _I],
-}
+FLOATS = (torch.bfloat16, torch.float32)  # what x, y, residual and norm weights may be
+GROUP_BYTES = {4: 320, 8: 544}  # bytes per group of 32 inputs in an int4 / int8 tile (qgemm.c)
 
 
 class KernelUnavailableError(RuntimeError):
@@ -40,20 +37,35 @@ def unavailable_reason() -> str | None:
 
 def load_qgemm() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; None where it cannot run."""
-    return None if unavailable_reason() is not None else _load()
-
-
-def _load() -> ctypes.CDLL | None:
-    return native.load(KERNEL, SIGNATURES)
+    return KERNEL.load()
 
 
 def require_qgemm() -> ctypes.CDLL:
     """The kernel, or `KernelUnavailableError` saying why not."""
     lib = load_qgemm()
     if lib is None:
-        reason = unavailable_reason() or f"building {SOURCE.name} failed (run it by hand: {KERNEL.command('x.so')})"
+        reason = unavailable_reason() or f"loading {SOURCE.name}'s library failed"
         raise KernelUnavailableError(
             f"quantization 'w4a8' needs the AVX-512 VNNI kernel, which cannot run here: {reason}. "
             "Use 'w8a8' instead."
         )
     return lib
+
+
+def check_weights(tiles: torch.Tensor, tile_offsets: torch.Tensor, tile_bits: torch.Tensor,
+                  bias: torch.Tensor | None, in_features: int, out_features: int) -> None:
+    """`check_tensor` on a `QLinear`'s buffers (moved or replaced since it was made), and every
+    tile 4 or 8 bits and inside `tiles`: `ValueError` naming what is not."""
+    check_tensor("tiles", tiles, (torch.uint8,), (tiles.numel(),))
+    check_tensor("tile_offsets", tile_offsets, (torch.int64,), (out_features // TILE,))
+    check_tensor("tile_bits", tile_bits, (torch.uint8,), (out_features // TILE,))
+    if bias is not None:
+        check_tensor("bias", bias, (torch.float32,), (out_features,))
+    if in_features % GROUP or out_features % TILE:
+        raise ValueError(f"QLinear needs in_features % {GROUP} == out_features % {TILE} == 0, "
+                         f"got {in_features} and {out_features}")
+    if not ((tile_bits == 4) | (tile_bits == 8)).all():
+        raise ValueError("tile_bits must all be 4 or 8")
+    ends = tile_offsets + torch.where(tile_bits == 4, GROUP_BYTES[4], GROUP_BYTES[8]) * (in_features // GROUP)
+    if tile_offsets.numel() and (int(tile_offsets.min()) < 0 or int(ends.max()) > tiles.numel()):
+        raise ValueError(f"tile_offsets point outside tiles ({tiles.numel()} bytes)")

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import weakref
 
 import torch
 from torch import nn
 
+from specdec.kernel_abi import GROUP, TILE, check_tensor, raise_for_status
 from specdec.target.quant.int4 import int4_error, quantize_int4
 from specdec.target.quant.int8 import cat_biases
-from specdec.target.quant.qgemm import require_qgemm
-
-GROUP = 32  # inputs per weight and activation group (qgemm.c GROUP)
-TILE = 16  # output channels per tile (qgemm.c TILE)
+from specdec.target.quant.qgemm import FLOATS, GROUP_BYTES, check_weights, require_qgemm
 
 
 class QLinear(nn.Module):
@@ -44,13 +43,14 @@ class QLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)  # [N]
         self.in_features, self.out_features = in_features, TILE * tile_bits.numel()
         self._lib = require_qgemm()
+        self._checked: tuple = ()  # weak references to the buffers `check_weights` last passed
 
     def __getstate__(self):  # the ctypes library cannot be copied or pickled: reload it instead
-        return {k: v for k, v in super().__getstate__().items() if k != "_lib"}
+        return {k: v for k, v in super().__getstate__().items() if k not in ("_lib", "_checked")}
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        self._lib = require_qgemm()
+        self._lib, self._checked = require_qgemm(), ()
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -108,13 +108,23 @@ class QLinear(nn.Module):
         if glu and norm_weight is not None:
             raise ValueError("the kernel fuses either an RMSNorm or a SiLU-GLU before a linear, not both")
         k = 2 * self.in_features if glu else self.in_features
+        if x.device.type != "cpu":
+            raise ValueError(f"x must be on the CPU for the C kernel, got {x.device}")
+        if x.shape[-1] != k:
+            raise ValueError(f"x must have {k} features{' (gate | up)' if glu else ''}, got {x.shape[-1]}")
         x2 = x.reshape(-1, k)  # [M, K] (or [M, 2K])
-        if x2.dtype not in (torch.bfloat16, torch.float32):
+        if x2.dtype not in FLOATS:
             x2 = x2.float()
         x2 = x2.contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)  # [M, N]
         if residual is not None:
+            if residual.device.type != "cpu" or residual.numel() != y.numel():
+                raise ValueError(f"residual must be a CPU tensor of {y.numel()} elements [..., {self.out_features}], "
+                                 f"got {list(residual.shape)} on {residual.device}")
             residual = residual.reshape(y.shape).to(y.dtype).contiguous()
+        if norm_weight is not None:
+            check_tensor("norm_weight", norm_weight, FLOATS, (k,))
+        self._check_weights()
         if x2.shape[0]:
             rc = self._lib.qgemm(
                 x2.data_ptr(), x2.dtype == torch.bfloat16, x2.shape[0], self.in_features, glu,
@@ -124,13 +134,24 @@ class QLinear(nn.Module):
                 None if norm_weight is None else norm_weight.data_ptr(),
                 norm_weight is not None and norm_weight.dtype == torch.bfloat16, eps, torch.get_num_threads(),
             )
-            if rc != 0:
-                raise MemoryError("qgemm could not allocate its activation buffers")
+            raise_for_status(rc, "qgemm")
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def _check_weights(self) -> None:
+        """`check_weights` on the buffers, once per set of buffers (`.to()`, `pack_tiles` and
+        friends replace them)."""
+        buffers = (self.tiles, self.tile_offsets, self.tile_bits, self.bias)
+        if len(self._checked) != 4 or any(ref() is not b for ref, b in zip(self._checked, buffers)):
+            check_weights(*buffers, self.in_features, self.out_features)
+            self._checked = tuple(_no_ref if b is None else weakref.ref(b) for b in buffers)
 
     def extra_repr(self) -> str:
         int4 = int((self.tile_bits == 4).sum())
         return f"in={self.in_features}, out={self.out_features}, int4 tiles={int4}/{self.tile_bits.numel()}"
+
+
+def _no_ref() -> None:  # the weak reference to an absent bias
+    return None
 
 
 def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +258,7 @@ def dequantize(module: QLinear) -> torch.Tensor:
     k, g = module.in_features, module.in_features // GROUP
     rows = []
     for off, bits in zip(module.tile_offsets.tolist(), module.tile_bits.tolist()):
-        size = g * (320 if bits == 4 else 544)
+        size = g * GROUP_BYTES[bits]
         tile = module.tiles[off : off + size].view(g, -1)
         if bits == 4:
             b = tile[:, :256].view(g, 4, TILE, 4)  # [g, b, n, i]

@@ -167,14 +167,6 @@ def test_kernel_defaults_where_it_runs(monkeypatch):
     assert resolve_config(EngineConfig(dtype="float32", device="cpu")).target_quant == "none"
 
 
-def test_a_failed_build_falls_back_to_torchs_kernels_with_the_reason(monkeypatch):
-    monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
-    monkeypatch.setattr(qgemm, "_load", lambda: None)  # e.g. the compiler failed
-    assert resolve_config(EngineConfig(dtype="bfloat16", device="cpu")).target_quant == "w8a8"
-    with pytest.raises(qgemm.KernelUnavailableError, match="building qgemm.c failed"):
-        qgemm.require_qgemm()
-
-
 def _tiny_bf16_pair(tmp_path):
     """A bf16 w4a8 (target, draft) whose head_dim (32) the C attention takes."""
     from specdec.testing import tiny_hf_model

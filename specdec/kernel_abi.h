@@ -1,0 +1,84 @@
+/* The C boundary of specdec's kernels: status codes, the descriptors that cross from Python, and
+ * every exported prototype. Every kernel source includes this file, so the compiler checks each
+ * definition against its prototype; `kernel_abi.c` (built into every library, plain C) reports
+ * the descriptors' layout and these constants, and `specdec/kernel_abi.py` (the ctypes twin of
+ * this file) compares them with its own at load. Change a struct or a code here, there, and
+ * bump SPECDEC_ABI_VERSION. */
+#ifndef SPECDEC_KERNEL_ABI_H
+#define SPECDEC_KERNEL_ABI_H
+
+#include <stdint.h>
+
+#define SPECDEC_ABI_VERSION 1
+#define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
+#define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
+#define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
+
+/* What every exported kernel returns. */
+enum specdec_status {
+    SPECDEC_OK = 0,
+    SPECDEC_ERR_NO_MEMORY = 1,        /* a scratch buffer could not be allocated */
+    SPECDEC_ERR_INVALID_ARGUMENT = 2, /* a size, a flag or a NULL the kernel does not take */
+    SPECDEC_ERR_POSITION = 3,         /* a position outside the rotary table */
+    SPECDEC_ERR_SLOT = 4,             /* a slot outside the KV cache */
+    SPECDEC_ERR_BLOCK = 5,            /* a block table entry outside the KV cache */
+    SPECDEC_ERR_LENGTHS = 6,          /* query rows, sequence lengths and block tables disagree */
+};
+
+/* A QLinear's buffers (see qgemm). */
+struct specdec_linear {
+    const uint8_t *tiles;
+    const int64_t *tile_offsets;
+    const uint8_t *tile_bits;
+    int64_t in_features, out_features;
+    const float *bias; /* NULL: none */
+};
+
+/* One decoder layer's linears and RMSNorm weights [H] (dtype per decoder_layers' norm_bf16). */
+struct specdec_layer {
+    struct specdec_linear qkv, o, gate_up, down;
+    const void *input_norm, *post_attention_norm;
+};
+
+/* One step's rotary tables and paged-cache geometry: everything rope_write_attend takes but a
+ * layer's caches and buffers, the same for every layer of the step. */
+struct specdec_attention {
+    const int64_t *positions;       /* [T], or NULL: no rope */
+    const float *cos, *signed_sin;  /* [num_positions, d] fp32 */
+    int64_t num_positions;
+    int64_t num_slots;              /* N * S: slots per layer's K (or V) cache */
+    const int64_t *slots;           /* [T] */
+    const int32_t *block_tables;    /* [num_seqs, max_blocks] */
+    int64_t max_blocks, num_blocks;
+    const int32_t *seq_lens;        /* [num_seqs] */
+    const int32_t *query_start_loc; /* [num_seqs + 1] */
+    int64_t num_seqs, block_size, hq, hkv, d;
+};
+
+/* One row of kernel_abi.c's layout table: a field's offset and size, or with an empty `field`
+ * the struct's size; with `type` "constant", `field` names a constant and `offset` is its value. */
+struct specdec_abi_entry {
+    const char *type, *field;
+    int64_t offset, size;
+};
+
+/* target/quant/qgemm.c */
+int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_t *tiles,
+          const int64_t *tile_offsets, const uint8_t *tile_bits, int64_t n, const float *bias,
+          const void *residual, void *y, int y_bf16, const void *norm_w, int norm_w_bf16, float eps,
+          int threads);
+
+/* cache/paged_attention.c */
+int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t row_stride,
+                      uint16_t *k_cache, uint16_t *v_cache, float scale, uint16_t *out, int threads);
+
+/* target/quant/decoder.c (built with qgemm.c and paged_attention.c) */
+int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *layers, int64_t num_layers,
+                   int norm_bf16, float eps, const struct specdec_attention *a, uint16_t *kv, float scale,
+                   uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int threads);
+
+/* specdec/kernel_abi.c (every library): the layout table and its length. */
+int64_t specdec_abi_version(void);
+const struct specdec_abi_entry *specdec_abi_layout(int64_t *count);
+
+#endif

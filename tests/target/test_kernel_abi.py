@@ -1,0 +1,144 @@
+"""The C boundary (`specdec/kernel_abi.h`, `.c`, `.py`): every kernel library builds, loads and
+agrees with its ctypes twin on every descriptor, constant and status; a disagreement or a
+compiler failure is an error that says what went wrong.
+
+These run on any x86-64 machine with gcc: the libraries are compiled with their AVX-512 flags
+but only `kernel_abi.c` (built without AVX-512) runs, so they do not need the kernels' CPU.
+"""
+
+import ctypes
+import dataclasses
+
+import pytest
+
+from specdec import kernel_abi, native
+from specdec.cache import cpu_attention
+from specdec.config import EngineConfig
+from specdec.engine_parts import resolve_config
+from specdec.target.quant import decoder_stack, qgemm
+
+KERNELS = {"qgemm": qgemm.KERNEL, "attention": cpu_attention.KERNEL, "decoder": decoder_stack.KERNEL}
+needs_gcc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    """Every kernel library, built here and opened (declared and layout-checked)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDEC_CACHE", str(tmp_path_factory.mktemp("kernels")))
+        return {name: native.open_library(k.build(), k.functions) for name, k in KERNELS.items()}
+
+
+@needs_gcc
+@pytest.mark.parametrize("name", KERNELS)
+def test_every_library_agrees_with_the_ctypes_descriptors(libraries, name):
+    lib = libraries[name]
+    assert lib.specdec_abi_version() == kernel_abi.ABI_VERSION
+    kernel_abi.check_layout(lib)  # again, explicitly: raises on any difference
+    entries = {(e.type.decode(), e.field.decode()) for e in kernel_abi._layout(lib)}
+    for structure in kernel_abi.STRUCTURES:  # the table covers every field of every descriptor
+        assert {(structure.c_name, f) for f, _ in structure._fields_} <= entries
+    for function in KERNELS[name].functions:
+        assert getattr(lib, function).argtypes == kernel_abi.PROTOTYPES[function][1]
+
+
+@needs_gcc
+def test_the_decoder_library_links_its_callees(libraries):
+    """decoder.c calls qgemm and rope_write_attend built into its own library: no function
+    pointer crosses between two libraries."""
+    assert {qgemm.SOURCE, *cpu_attention.KERNEL.sources} <= set(decoder_stack.KERNEL.sources)
+    assert all(hasattr(libraries["decoder"], f) for f in ("qgemm", "rope_write_attend"))
+
+
+class Linear(ctypes.Structure):  # struct specdec_linear with in_features as a 32-bit int
+    c_name = "specdec_linear"
+    _fields_ = [(n, ctypes.c_int32 if n == "in_features" else t) for n, t in kernel_abi.Linear._fields_]
+
+
+class Attention(ctypes.Structure):  # struct specdec_attention without its last field
+    c_name = "specdec_attention"
+    _fields_ = kernel_abi.Attention._fields_[:-1]
+
+
+@needs_gcc
+@pytest.mark.parametrize(
+    "structures, constants, expected",
+    [
+        ((Linear,), kernel_abi.CONSTANTS, r"specdec_linear\.in_features: C \(24, 8\), Python \(24, 4\)"),
+        ((Attention,), kernel_abi.CONSTANTS, r"specdec_attention\.d: C \(120, 8\), Python missing"),
+        ((), {**kernel_abi.CONSTANTS, "SPECDEC_ERR_SLOT": 9}, r"constant\.SPECDEC_ERR_SLOT: C \(4, 0\), Python \(9, 0\)"),
+    ],
+    ids=["field-type", "missing-field", "status-code"],
+)
+def test_a_mismatched_description_is_caught(libraries, structures, constants, expected):
+    mismatched = {s.c_name: s for s in structures}
+    structures = tuple(mismatched.get(s.c_name, s) for s in kernel_abi.STRUCTURES)
+    with pytest.raises(kernel_abi.KernelABIError, match=expected):
+        kernel_abi.check_layout(libraries["qgemm"], structures, constants)
+
+
+@needs_gcc
+def test_a_version_mismatch_is_caught(libraries, monkeypatch):
+    monkeypatch.setattr(kernel_abi, "ABI_VERSION", kernel_abi.ABI_VERSION + 1)
+    with pytest.raises(kernel_abi.KernelABIError, match="ABI version 1"):
+        kernel_abi.check_layout(libraries["qgemm"])
+
+
+@pytest.mark.parametrize(
+    "status, error, message",
+    [
+        (kernel_abi.Status.ERR_NO_MEMORY, MemoryError, "could not allocate"),
+        (kernel_abi.Status.ERR_INVALID_ARGUMENT, ValueError, "refused its arguments"),
+        (kernel_abi.Status.ERR_POSITION, ValueError, "outside the rotary table"),
+        (kernel_abi.Status.ERR_SLOT, ValueError, "slot is outside the KV cache"),
+        (kernel_abi.Status.ERR_BLOCK, ValueError, "block table entry is outside"),
+        (kernel_abi.Status.ERR_LENGTHS, ValueError, "disagree"),
+        (77, RuntimeError, "77, which is no specdec_status"),
+    ],
+)
+def test_each_status_raises_its_exception(status, error, message):
+    with pytest.raises(error, match=f"^qgemm.*{message}"):
+        kernel_abi.raise_for_status(status, "qgemm")
+
+
+def test_ok_raises_nothing_and_every_error_status_is_mapped():
+    kernel_abi.raise_for_status(0, "qgemm")
+    assert set(kernel_abi.ERRORS) == set(kernel_abi.Status) - {kernel_abi.Status.OK}
+
+
+def _kernel(tmp_path, source: str, flags=()) -> native.NativeKernel:
+    path = tmp_path / "broken.c"
+    path.write_text(source)
+    return native.NativeKernel((path,), flags=flags, cpu_flags=())
+
+
+@needs_gcc
+def test_a_syntax_error_keeps_the_compilers_message(cache):
+    kernel = _kernel(cache, "int broken(void) { return 0 }\n")
+    with pytest.raises(native.KernelBuildError, match="(?s)building broken.c failed.*error: expected .;."):
+        kernel.build()
+    assert "error: expected" in kernel.unavailable_reason()
+    assert kernel.load() is None
+
+
+@needs_gcc
+def test_a_bogus_flag_keeps_the_compilers_message_up_to_require_qgemm(cache, monkeypatch):
+    broken = dataclasses.replace(qgemm.KERNEL, flags=(*qgemm.KERNEL.flags, "-fno-such-flag"), cpu_flags=())
+    monkeypatch.setattr(qgemm, "KERNEL", broken)
+    assert resolve_config(EngineConfig(dtype="bfloat16", device="cpu")).target_quant == "w8a8"
+    with pytest.raises(qgemm.KernelUnavailableError, match="(?s)building qgemm.c failed.*unrecognized command.line option.*w8a8"):
+        qgemm.require_qgemm()
+
+
+def test_no_compiler_is_a_reason_not_a_crash(cache, monkeypatch):
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    with pytest.raises(native.KernelBuildError, match="no C compiler"):
+        native.NativeKernel((qgemm.SOURCE,), (), ()).build()
+
