@@ -1,5 +1,6 @@
-/* AVX-512 helpers shared by specdec's C kernels (target/qgemm.c, cache/paged_attention.c).
- * `specdec.native` puts this folder on the include path and keys every build on this file too. */
+/* AVX-512 helpers shared by specdec's C kernels (target/quant/qgemm.c, cache/paged_attention.c);
+ * their declarations (statuses, descriptors, prototypes) are in kernel_abi.h. `specdec.native`
+ * puts this folder on the include path and keys every build on both headers. */
 #ifndef SPECDEC_AVX512_COMMON_H
 #define SPECDEC_AVX512_COMMON_H
 
