@@ -79,11 +79,6 @@ class StepPlan:
     seqs: list[SeqPlan]
     rows: list[SeqPlan]
 
-    @property
-    def drafts(self) -> bool:
-        """Whether any row may be proposed drafts (by the model or by lookup)."""
-        return any(p.num_draft or p.num_lookup for p in self.rows)
-
 
 @dataclass
 class DraftOutput:

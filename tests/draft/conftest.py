@@ -5,7 +5,7 @@ import torch
 
 from specdec.cache import BlockTable
 from specdec.draft import SamplingTensors, SeqPlan, StepPlan
-from specdec.target.runner import ModelRunner
+from specdec.target.runner import ModelRunner, Window
 from specdec.testing import tiny_pair
 
 
@@ -32,14 +32,8 @@ def seq_with_cache(runner, token_ids: list[int], cached: int, slots: int = 64) -
     table = runner.new_table()
     assert table.ensure_slots(slots)
     if cached:
-        runner.forward([_window(table, token_ids[:cached])])
+        runner.forward([Window(table, token_ids[:cached], 0)])
     return Seq(list(token_ids), table)
-
-
-def _window(table, tokens):
-    from specdec.target.runner import Window
-
-    return Window(table, tokens, 0)
 
 
 def plan_of(rows: list[SeqPlan], fills: list[SeqPlan] = ()) -> StepPlan:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specdec.draft import DraftModelProposer, SeqPlan, StepTimings
+from specdec.target.runner import Window
 
 from .conftest import CountingForward, greedy, plan_of, seq_with_cache
 
@@ -12,8 +13,6 @@ from .conftest import CountingForward, greedy, plan_of, seq_with_cache
 def reference_greedy(model_runner, tokens, k):
     """k greedy tokens of the draft model from a fresh cache, one forward per token."""
     seq = seq_with_cache(model_runner, tokens, 0)
-    from specdec.target.runner import Window
-
     out = []
     logits = model_runner.forward([Window(seq.draft_table, tokens)])
     for _ in range(k):

@@ -2,7 +2,7 @@ import pytest
 
 from specdec.config import EngineConfig
 from specdec.engine import Engine
-from specdec.testing import from_hf, tiny_hf_model, tiny_pair
+from specdec.testing import tiny_hf_model, tiny_pair
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30], [40]]
 
