@@ -8,6 +8,9 @@ but only `kernel_abi.c` (built without AVX-512) runs, so they do not need the ke
 
 import ctypes
 import dataclasses
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -55,6 +58,37 @@ def test_the_decoder_library_links_its_callees(libraries):
     pointer crosses between two libraries."""
     assert {qgemm.SOURCE, *cpu_attention.KERNEL.sources} <= set(decoder_stack.KERNEL.sources)
     assert all(hasattr(libraries["decoder"], f) for f in ("qgemm", "rope_write_attend"))
+
+
+# Calls each kernel through its declared prototype with an argument it refuses: the refusal is the
+# first thing each does, in scalar code, so this runs on any x86-64 CPU. In a child process, in
+# case a compiler puts AVX-512 code before the checks (SIGILL: skipped, said so).
+REFUSALS = """
+import ctypes
+from specdec import kernel_abi, native
+from specdec.target.quant import decoder_stack
+lib = native.open_library(decoder_stack.KERNEL.build(), ("decoder_layers", "qgemm", "rope_write_attend"))
+buf = (ctypes.c_uint16 * 64)()
+a = kernel_abi.Attention(slots=ctypes.addressof(buf), block_tables=ctypes.addressof(buf),
+                         seq_lens=ctypes.addressof(buf), query_start_loc=ctypes.addressof(buf),
+                         hq=4, hkv=2, d=48, block_size=4)  # head_dim 48: not a multiple of 32
+layers = (kernel_abi.Layer * 1)()
+print(lib.qgemm(buf, 1, 1, 48, 0, buf, buf, buf, 16, None, None, buf, 1, None, 0, 0.0, 1),  # k % 32
+      lib.rope_write_attend(ctypes.byref(a), buf, 256, buf, buf, 1.0, buf, 1),
+      lib.decoder_layers(None, 1, layers, 1, 0, 0.0, ctypes.byref(a), buf, 1.0, buf, buf, buf, 1))
+"""
+
+
+@needs_gcc
+def test_each_kernel_refuses_bad_arguments_with_a_status(cache):
+    done = subprocess.run([sys.executable, "-c", REFUSALS], capture_output=True, text=True, timeout=300)
+    if done.returncode == -signal.SIGILL:
+        pytest.skip("this compiler put AVX-512 instructions before the kernels' argument checks")
+    assert done.returncode == 0, done.stderr
+    codes = [int(c) for c in done.stdout.split()]
+    assert codes == [kernel_abi.Status.ERR_INVALID_ARGUMENT] * 3
+    with pytest.raises(ValueError, match="^qgemm: refused its arguments"):
+        kernel_abi.raise_for_status(codes[0], "qgemm")
 
 
 class Linear(ctypes.Structure):  # struct specdec_linear with in_features as a 32-bit int
