@@ -20,10 +20,15 @@ import weakref
 import torch
 from torch import nn
 
-from specdec.kernel_abi import GROUP, TILE, check_tensor, raise_for_status
+from specdec.kernel_abi import check_tensor, raise_for_status
 from specdec.target.quant.int4 import int4_error, quantize_int4
 from specdec.target.quant.int8 import cat_biases
 from specdec.target.quant.qgemm import FLOATS, GROUP_BYTES, check_weights, require_qgemm
+
+# The tile layout's sizes, spelled here because this file keys the quantized cache
+# (`cache_file.LAYOUT_SOURCES`); equal to kernel_abi.h's SPECDEC_GROUP / SPECDEC_TILE (tested).
+GROUP = 32  # inputs per weight and activation group
+TILE = 16  # output channels per tile
 
 
 class QLinear(nn.Module):

@@ -18,7 +18,7 @@ from specdec import kernel_abi, native
 from specdec.cache import cpu_attention
 from specdec.config import EngineConfig
 from specdec.engine_parts import resolve_config
-from specdec.target.quant import decoder_stack, qgemm
+from specdec.target.quant import decoder_stack, qgemm, qlinear
 
 KERNELS = {"qgemm": qgemm.KERNEL, "attention": cpu_attention.KERNEL, "decoder": decoder_stack.KERNEL}
 needs_gcc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
@@ -140,6 +140,12 @@ def test_a_version_mismatch_is_caught(libraries, monkeypatch):
 def test_each_status_raises_its_exception(status, error, message):
     with pytest.raises(error, match=f"^qgemm.*{message}"):
         kernel_abi.raise_for_status(status, "qgemm")
+
+
+def test_the_packers_tile_sizes_are_the_kernels():
+    """qlinear.py spells GROUP and TILE itself (it keys the quantized cache); the kernel's are
+    kernel_abi's, checked against kernel_abi.h at load."""
+    assert (qlinear.GROUP, qlinear.TILE) == (kernel_abi.GROUP, kernel_abi.TILE)
 
 
 def test_ok_raises_nothing_and_every_error_status_is_mapped():
