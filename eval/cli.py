@@ -38,7 +38,7 @@ def _add_acceptance(sub: argparse._SubParsersAction) -> None:
                            "measured beside predicted, with 95%% intervals",
         description="Runs every prompt at batch 1 target-only and at each k on one engine; reports "
                     "acceptance rate, per-token acceptance alpha, tau measured and predicted from alpha, "
-                    "the cost ratios and speedup measured and predicted, each with a 95%% bootstrap "
+                    "the cost ratios and speedup measured and predicted, each with a 95% bootstrap "
                     "interval over prompts (docs/acceptance.md); writes acceptance.json, acceptance.md "
                     "and PNG plots.",
     )
@@ -212,7 +212,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
     meta = provenance(args, args.words)
     engine = load_engine(config)
     cells = acceptance.evaluate(engine, opts)
-    files = acceptance_report.write_report(out, meta, opts, config, cells)
+    files = acceptance_report.write_report(out, meta, opts, engine.config, cells)
     print(acceptance_report.table(cells))
     _announce(files)
     return 0
@@ -221,6 +221,7 @@ def run_acceptance(args: argparse.Namespace) -> int:
 @_missing_data_is_an_error
 def run_latency(args: argparse.Namespace) -> int:
     from specdec.api.args import engine_config_from_args
+    from specdec.engine_parts import resolve_config
     from specdec.eval import latency
     from specdec.eval.report import provenance
 
@@ -230,7 +231,7 @@ def run_latency(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, sweep_max_tokens=args.sweep_max_tokens,
         temperature=args.temperature, progress=args.progress,
     )
-    config = engine_config_from_args(args)
+    config = resolve_config(engine_config_from_args(args))  # the report names the quantization run
     out = _out_dir(args, "bench-latency")
     meta = provenance(args, args.words)
     result = latency.benchmark(config, opts)

@@ -44,9 +44,9 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        from specdec.engine_parts import load_engine_parts
+        from specdec.engine_parts import load_engine_parts, resolve_config
 
-        config = config or EngineConfig()
+        config = resolve_config(config or EngineConfig())  # engine.config names what it runs
         target, draft, tokenizer = load_engine_parts(config)
         self._setup(config, target, draft, tokenizer)
 
