@@ -3,7 +3,6 @@ tokenization (chat template / text / token ids), all checked before a request re
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -58,7 +57,6 @@ class ServerState:
         self.engine = engine
         self.metrics = ServerMetrics(engine)
         self.limiter = ConcurrencyLimiter(settings.max_concurrent)
-        self._tokenizer: Any = None
 
     def info(self) -> EngineInfo:
         """The loaded engine's facts; 503 while loading or after the engine loop died."""
@@ -76,15 +74,8 @@ class ServerState:
 
     @property
     def tokenizer(self) -> Any:
-        """The API's own copy of the tokenizer: HF fast tokenizers must not be used from two
-        threads at once, and the engine thread detokenizes with the original."""
-        info = self.info()
-        if self._tokenizer is None and info.tokenizer is not None:
-            try:
-                self._tokenizer = copy.deepcopy(info.tokenizer)
-            except Exception:  # noqa: BLE001 - an uncopyable tokenizer is still usable
-                self._tokenizer = info.tokenizer
-        return self._tokenizer
+        """The API's own copy of the tokenizer (see `EngineInfo.api_tokenizer`)."""
+        return self.info().api_tokenizer
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         tokenizer = self.tokenizer
