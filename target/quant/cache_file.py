@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -47,11 +48,22 @@ def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
     key = "|".join([layout_key(), str(Path(model_dir).resolve()), mode, str(dtype)]
                    + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return cache_dir() / "quantized" / f"{Path(model_dir).name}-{mode}-{digest}.safetensors"
+    dtype_name = str(dtype).removeprefix("torch.")
+    return cache_dir() / "quantized" / f"{Path(model_dir).name}-{mode}-{dtype_name}-{digest}.safetensors"
+
+
+def stale_siblings(path: Path) -> list[Path]:
+    """The other cache files of `path`'s model, mode and dtype: written from an older layout or an
+    older copy of the weights. Each is as large as the quantized model and nothing reads it again."""
+    stem = path.name.rsplit("-", 1)[0]
+    legacy = stem.rsplit("-", 1)[0]  # names before the dtype was in them: model-mode-digest
+    pattern = re.compile(f"({re.escape(stem)}|{re.escape(legacy)})" + r"-[0-9a-f]{16}\.safetensors")
+    return [p for p in path.parent.glob("*.safetensors") if p != path and pattern.fullmatch(p.name)]
 
 
 def save_quantized(model: nn.Module, path: Path) -> None:
-    """Write the model's state dict and quantization manifest atomically."""
+    """Write the model's state dict and quantization manifest atomically, then delete the file it
+    replaces (`stale_siblings`): without that, every layout change left gigabytes behind."""
     manifest = {name: kind for name, m in model.named_modules() if (kind := linear_kind(m)) != "dense"}
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,6 +76,8 @@ def save_quantized(model: nn.Module, path: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for stale in stale_siblings(path):
+        stale.unlink(missing_ok=True)
 
 
 def load_quantized(model: nn.Module, path: Path) -> nn.Module:

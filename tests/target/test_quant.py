@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specdec.target import model_weights
+from specdec.target.quant import cache_file
 from specdec.target.quant.convert import prepare_quantized, quantize_model
 from specdec.target.quant.int4 import INT8_MIN_ROWS, Int4Linear, fuse_int4, int4_error, quantize_int4
 from specdec.target.model_weights import load_model
@@ -69,6 +70,29 @@ def test_quantized_model_is_cached_and_reloads_identically(tmp_path, monkeypatch
     assert torch.equal(h1, h2)
     for name in ("up_proj", "gate_up_proj"):
         assert type(getattr(second.model.layers[0].mlp, name)) is type(getattr(first.model.layers[0].mlp, name))
+
+
+def test_a_rebuilt_cache_file_replaces_the_stale_one(tmp_path, monkeypatch):
+    """A layout change (or new weights) writes a new file; the one it replaces must not stay behind,
+    while other modes' and dtypes' files do."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    hf = tiny_hf_model("qwen2")
+    hf.save_pretrained(tmp_path / "m")
+    load_model(tmp_path / "m", torch.bfloat16, quant="int4")
+    load_model(tmp_path / "m", torch.float32, quant="int4")
+    load_model(tmp_path / "m", torch.bfloat16, quant="auto")
+    folder = tmp_path / "cache" / "quantized"
+    before = {p.name for p in folder.glob("*.safetensors")}
+    assert len(before) == 3
+    monkeypatch.setattr(cache_file, "layout_key", lambda: "a-new-layout")
+    load_model(tmp_path / "m", torch.bfloat16, quant="int4")
+    after = {p.name for p in folder.glob("*.safetensors")}
+    assert len(after) == 3 and len(after - before) == 1
+    (gone,) = before - after
+    assert "-int4-bfloat16-" in gone
+    legacy = folder / "m-int4-0123456789abcdef.safetensors"  # named before the dtype was in names
+    legacy.write_bytes(b"")
+    assert cache_file.stale_siblings(folder / next(n for n in after if "-int4-bfloat16-" in n)) == [legacy]
 
 
 def test_auto_finds_the_grid_when_loading_in_bfloat16(tmp_path, monkeypatch):
