@@ -354,6 +354,12 @@ class Engine:
             for name, p in self._pools().items()
         }
 
+    def reset_stats(self) -> None:
+        """Zero the counters users read: acceptance, and prefix-cache lookups per pool."""
+        self.stats = AcceptanceStats()
+        for pool in self._pools().values():
+            pool.stats = type(pool.stats)()
+
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in both pools; returns how many."""
         return sum(p.reset_prefix_cache() for p in self._pools().values())

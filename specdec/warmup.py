@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass
 
 from specdec.sampling_params import SamplingParams
-from specdec.verify import AcceptanceStats
 
 WARMUP_TEXT = "Count from 1 to 60, separated by commas: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 WARMUP_TOKENS = 24  # generated per pass: enough steps for the policy to reach its longest windows
@@ -56,7 +55,7 @@ def warm_up(engine, max_tokens: int = WARMUP_TOKENS) -> WarmupReport:
             engine.release(request_id)
         if i == 0:
             _forget_timings(engine)  # cold: paging and first-use packing inflated every step
-    _forget_counts(engine)
+    engine.reset_stats()  # users read acceptance and prefix-cache hits from zero
     return WarmupReport(time.perf_counter() - start, len(PASSES), num_tokens)
 
 
@@ -79,10 +78,3 @@ def _forget_timings(engine) -> None:
         engine.policy.forget()
     if engine.chunk_sizer is not None:
         engine.chunk_sizer.forget()
-
-
-def _forget_counts(engine) -> None:
-    """Counters that users read (acceptance, prefix-cache hits) start at zero after warm-up."""
-    engine.stats = AcceptanceStats()
-    for pool in engine._pools().values():
-        pool.stats = type(pool.stats)()
