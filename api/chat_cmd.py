@@ -35,16 +35,12 @@ HELP = ("/reset forgets the conversation (the system prompt stays) · /exit or C
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.args import add_engine_args, add_sampling_args, add_warmup_arg
-    from specdec.api.generate_cmd import add_display_args
+    from specdec.api.generate_cmd import add_answer_args
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal, streamed (earlier turns "
                                     "come from the prefix cache)")
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt for the conversation")
-    add_display_args(p)
-    add_warmup_arg(p)
-    add_engine_args(p)
-    add_sampling_args(p)
+    add_answer_args(p)
     p.set_defaults(func=run)
 
 

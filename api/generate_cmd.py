@@ -26,26 +26,27 @@ LEGEND = ("[green]accepted draft[/green] · [bold red]corrected by target[/bold 
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from specdec.api.args import add_engine_args, add_sampling_args, add_warmup_arg
-
     p = sub.add_parser("generate", help="generate text for one or more prompts, streamed")
     p.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched)")
     p.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="apply the chat template (default for chat models)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="raw completion")
-    add_display_args(p)
-    add_warmup_arg(p)
-    add_engine_args(p)
-    add_sampling_args(p)
+    add_answer_args(p)
     p.set_defaults(func=run)
 
 
-def add_display_args(p: argparse.ArgumentParser) -> None:
-    """How streamed answers are shown (generate, chat)."""
+def add_answer_args(p: argparse.ArgumentParser) -> None:
+    """The flags of the commands that load an engine and stream answers (generate, chat): how
+    answers are shown, the warm-up, the engine and sampling."""
+    from specdec.api.args import add_engine_args, add_sampling_args, add_warmup_arg
+
     p.add_argument("--show-acceptance", action="store_true",
                    help="color each token: green accepted draft, red corrected by the target, "
                         "cyan bonus")
     p.add_argument("--quiet-stats", action="store_true", help="no statistics line")
+    add_warmup_arg(p)
+    add_engine_args(p)
+    add_sampling_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
