@@ -135,12 +135,16 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None,
         request_id: str | None = None, num_speculative_tokens: int | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, share_prompt_with: str | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ValueError for prompts that can never run.
 
         Requests share cached prompt prefixes unless their `cache_salt`s differ (vLLM's
-        extension: a tenant that must not share KV with others passes its own salt)."""
+        extension: a tenant that must not share KV with others passes its own salt).
+        `share_prompt_with` (n > 1: parallel samples of one prompt) names a queued or running
+        request; this one is admitted only once that one's prompt is prefilled, so it starts on
+        the cached prompt blocks instead of computing them again (with prefix caching off, it
+        just waits)."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -161,6 +165,11 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, token_ids, params, k if self.proposer else 0, next(self._counter))
         seq.cache_salt = cache_salt
+        if share_prompt_with is not None:
+            leader = self._sequences.get(share_prompt_with)
+            if leader is None:
+                raise ValueError(f"share_prompt_with names no queued or running request: {share_prompt_with!r}")
+            seq.prefill_leader = leader
         if params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
         seq.detokenizer = StopChecker(self.tokenizer, token_ids, params)

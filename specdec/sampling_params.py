@@ -5,11 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 300  # entries in logit_bias (OpenAI's limit)
 
 
 @dataclass
 class SamplingParams:
     """How one request samples. `temperature == 0` means greedy.
+
+    The logit controls act on the logits of every row the target verifies and the draft proposes
+    from, each with its own prefix, before the temperature (`specdec.verify.controls`):
+    `logit_bias` adds to token logits (OpenAI: -100..100); `repetition_penalty` (vLLM/HF, > 0, 1 =
+    off) divides positive / multiplies negative logits of every token in the prompt or output;
+    `frequency_penalty` / `presence_penalty` (OpenAI, -2..2) subtract `f * count + p * (count > 0)`
+    for tokens of the output; `min_tokens` bans EOS and `stop_token_ids` until that many tokens
+    are out. Greedy rows take the argmax of the controlled logits. `min_p` (after temperature)
+    drops tokens whose probability is below `min_p` times the top token's.
+
+    `logprobs`: None = off; N >= 0 = report each emitted token's log-probability and the N most
+    likely alternatives (`specdec.sequence.TokenLogprobs`), from the target's distribution after
+    the logit controls and the temperature (1 for greedy rows), before top-k/top-p/min_p.
 
     >>> SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, stop=["\\n\\n"], seed=1)
     """
@@ -17,11 +32,18 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0  # 1.0: off
+    min_p: float = 0.0  # 0: off
     max_tokens: int = 256
+    min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +65,37 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             raise ValueError(f"seed must be a non-negative 64-bit integer, got {self.seed}")
+        self._check_controls()
+
+    def _check_controls(self) -> None:
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Any control that changes logits (the warp's other inputs are temperature/top-k/top-p/min_p)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

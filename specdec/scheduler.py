@@ -112,7 +112,7 @@ class Scheduler:
         # first in line, would be re-admitted at once only to recompute what it just gave up.
         while not preempted and self.waiting and len(self.running) < self.max_num_seqs and left > 0:
             seq = self.waiting[0]
-            if not self._admit(seq, left):
+            if _waits_for_leader(seq) or not self._admit(seq, left):
                 break
             left -= seq.num_new_tokens + (0 if seq.fills_only else self.num_draft(seq))
             self.waiting.popleft()
@@ -194,8 +194,17 @@ class Scheduler:
             ok = draft.ensure_slots(draft_slots)
             assert ok
         return True
+
     def _release(self, seq: Sequence) -> None:
         for table in (seq.target_table, seq.draft_table):
             if table is not None:
                 table.free()
         seq.target_table = seq.draft_table = None
+
+
+def _waits_for_leader(seq: Sequence) -> bool:
+    """A sibling (n > 1) waits while its leader's prompt is not yet prefilled (and cached)."""
+    leader = seq.prefill_leader
+    if leader is None or leader.finished:
+        return False
+    return leader.target_table is None or leader.num_pending > 1

@@ -30,6 +30,16 @@ class TokenOrigin(str, enum.Enum):
 
 
 @dataclass
+class TokenLogprobs:
+    """One emitted token's log-probability and the most likely alternatives at its position
+    (`SamplingParams.logprobs` of them, most likely first; the token itself may be among them)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), descending
+
+
+@dataclass
 class Sequence:
     """One request. `token_ids` holds prompt + generated tokens; the tables hold their KV."""
 
@@ -55,6 +65,10 @@ class Sequence:
     # else 1) and tokens fed to the draft's cache alongside a prefill chunk.
     num_new_tokens: int = 0
     num_draft_fill: int = 0
+    # n > 1: a sibling waits for this request's prompt to be prefilled (and its blocks cached)
+    # before it is admitted, so that it starts on the cached prompt instead of computing it again.
+    prefill_leader: "Sequence | None" = None
+    logprobs: list[TokenLogprobs] | None = None  # emitted tokens' logprobs, when params.logprobs is set
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.token_ids)
@@ -103,6 +117,7 @@ class StepDelta:
     pieces: list[str] = field(default_factory=list)  # text of each token (aligned with token_ids)
     num_cached_tokens: int = 0  # prompt tokens served from the target's prefix cache
     stats: AcceptanceStats | None = None  # the request's acceptance counts, on its finishing delta
+    logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids, when params.logprobs is set
 
 
 @dataclass
@@ -116,3 +131,4 @@ class RequestOutput:
     finish_reason: str | None
     stats: AcceptanceStats
     num_cached_tokens: int = 0  # prompt tokens served from the target's prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids, when params.logprobs is set
