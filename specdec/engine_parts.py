@@ -21,6 +21,10 @@ from specdec.target.runner import ModelRunner
 from specdec.target.tokenizer import load_tokenizer
 
 GIB = 1 << 30
+# How many ids a draft's and a target's vocabularies may differ by when one only pads the other
+# (Qwen2.5: 152,064 - 151,936 = 128); a larger gap is another tokenizer, not padding.
+MAX_VOCAB_PADDING = 512
+_SHOWN_IDS = 5  # differing ids named in a mismatch message
 
 
 class TokenizerMismatchError(ValueError):
@@ -60,37 +64,86 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
         draft_dir = resolve_model(config.draft)
         check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), config)
         draft = load_model(draft_dir, dtype, device, config.draft_quant)
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise TokenizerMismatchError(
-                f"draft vocab {draft.config.vocab_size} != target vocab {target.config.vocab_size}"
-            )
     if log:
         log(f"loaded models in {time.perf_counter() - t0:.1f}s")
     return target, draft, tokenizer
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any, config: EngineConfig) -> None:
-    if target_tok.get_vocab() != draft_tok.get_vocab():
+    """Refuse a draft whose tokens have other ids than the target's (`TokenizerMismatchError`).
+
+    The two token -> id maps must be equal, or one a prefix of the other: the longer one may add
+    up to `MAX_VOCAB_PADDING` tokens past the shorter one's last id (every other id the same).
+    The message names the first ids that differ, e.g.
+    "id 17 is 'ab' in the target, 'cd' in the draft; id 18 is ...".
+    """
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    target_ids, draft_ids = _tokens_by_id(target_vocab), _tokens_by_id(draft_vocab)
+    end = min(max(target_ids, default=-1), max(draft_ids, default=-1)) + 1  # the shorter's end
+    differing = [
+        i for i in sorted(target_ids.keys() | draft_ids.keys())
+        if i < end and target_ids.get(i) != draft_ids.get(i)
+    ]
+    extra = abs(len(target_ids) - len(draft_ids))
+    if not differing and extra <= MAX_VOCAB_PADDING:
+        return
+    if differing:
+        shown = "; ".join(
+            f"id {i} is {target_ids.get(i)!r} in the target, {draft_ids.get(i)!r} in the draft"
+            for i in differing[:_SHOWN_IDS]
+        )
+        more = "; ..." if len(differing) > _SHOWN_IDS else ""
+        what = f"{len(differing)} token ids differ ({shown}{more})"
+    else:
+        what = f"one vocabulary adds {extra} tokens past the other's end (at most {MAX_VOCAB_PADDING})"
+    raise TokenizerMismatchError(
+        f"draft {config.draft!r} and target {config.target!r} use different tokenizers: {what}; "
+        "speculative decoding needs the same vocabulary (use --proposer ngram, or a draft "
+        "from the target's family)"
+    )
+
+
+def _tokens_by_id(vocab: dict[str, int]) -> dict[int, str]:
+    return {i: token for token, i in vocab.items()}
+
+
+def check_vocab_sizes(target: torch.nn.Module, draft: torch.nn.Module) -> None:
+    """Refuse embeddings whose sizes differ by more than padding (`MAX_VOCAB_PADDING` ids)."""
+    target_vocab, draft_vocab = target.config.vocab_size, draft.config.vocab_size
+    if abs(target_vocab - draft_vocab) > MAX_VOCAB_PADDING:
         raise TokenizerMismatchError(
-            f"draft {config.draft!r} and target {config.target!r} use different tokenizers; "
-            "speculative decoding needs the same vocabulary (use --proposer ngram, or a draft "
-            "from the target's family)"
+            f"draft vocabulary of {draft_vocab} ids and target vocabulary of {target_vocab} ids "
+            f"differ by more than padding (at most {MAX_VOCAB_PADDING} ids); speculative "
+            "decoding needs the same tokenizer (use --proposer ngram, or a draft from the "
+            "target's family)"
         )
 
 
 def build_runners(
     config: EngineConfig, target: torch.nn.Module, draft: torch.nn.Module | None
 ) -> tuple[ModelRunner, ModelRunner | None]:
-    """Size both paged caches so they hold the same number of tokens within the memory budget."""
+    """Size both paged caches so they hold the same number of tokens within the memory budget.
+
+    The draft's runner puts out logits over the target's vocabulary (padded with -inf or cut, see
+    `ModelRunner`), so draft and target probabilities line up id for id.
+    """
     uses_draft = config.speculative and config.uses_draft_model
     if uses_draft and draft is None:
         raise ValueError("proposer 'draft' needs a draft model")
+    if uses_draft:
+        check_vocab_sizes(target, draft)
     models = [target] + ([draft] if uses_draft else [])
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
     num_blocks = config.num_blocks
     if num_blocks is None:
         per_block = [ModelRunner.kv_spec(m, config.block_size, kv_dtype).bytes_per_block() for m in models]
         num_blocks = max(1, int(config.kv_cache_memory_gib * GIB) // sum(per_block))
-    runners = [ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks) for m in models]
+    output_vocab = target.config.vocab_size
+    runners = [
+        ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks, output_vocab=output_vocab)
+        for m in models
+    ]
     return runners[0], (runners[1] if uses_draft else None)
 

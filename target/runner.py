@@ -25,11 +25,27 @@ class Window:
 
 
 class ModelRunner:
-    """Owns a model, its `PagedKVCache` and the `BlockPool` over that cache's blocks."""
+    """Owns a model, its `PagedKVCache` and the `BlockPool` over that cache's blocks.
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: PagedKVCache) -> None:
+    `output_vocab` fits a draft to its target's vocabulary when the two differ only by padding
+    (Qwen2.5-7B and up pad to 152,064 ids, the 0.5B to 151,936; same tokenizer): logits come out
+    `[R, output_vocab]`, the ids the model lacks at -inf (probability 0, so rejection sampling
+    stays exact: the residual max(0, p - q) covers the target's mass there), the ids past
+    `output_vocab` cut off (the draft samples from what is left); fed ids the model lacks (the
+    target may emit a padding id) read as id 0, which can only cost acceptance.
+
+        >>> runner = ModelRunner.build(draft, 16, num_blocks=64, output_vocab=152064)  # doctest: +SKIP
+        >>> runner.forward(windows).shape                                            # doctest: +SKIP
+        torch.Size([R, 152064])
+    """
+
+    def __init__(
+        self, model: LlamaForCausalLM, kv_cache: PagedKVCache, output_vocab: int | None = None
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.model_vocab = model.config.vocab_size
+        self.output_vocab = output_vocab or self.model_vocab
         self.block_size = kv_cache.spec.block_size
         self.pool = BlockPool(kv_cache.num_blocks)
         self.device = next(model.parameters()).device
@@ -60,9 +76,12 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         *,
         num_blocks: int,
+        output_vocab: int | None = None,
     ) -> "ModelRunner":
-        """A runner whose paged cache has `num_blocks` blocks of `block_size` tokens."""
-        return cls(model, PagedKVCache(cls.kv_spec(model, block_size, kv_dtype), num_blocks))
+        """A runner whose paged cache has `num_blocks` blocks of `block_size` tokens; logits
+        `[R, output_vocab]` (None: the model's own vocabulary)."""
+        kv_cache = PagedKVCache(cls.kv_spec(model, block_size, kv_dtype), num_blocks)
+        return cls(model, kv_cache, output_vocab)
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.pool, self.block_size)
@@ -95,16 +114,25 @@ class ModelRunner:
         )
         for w, end in zip(windows, ends):
             w.table.num_computed = end
-        return logits
+        return self._fit_vocab(logits)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [R, model_vocab] -> [R, output_vocab]
+        extra = self.output_vocab - self.model_vocab
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits[:, : self.output_vocab] if extra < 0 else logits
 
     def _input_ids(self, windows: list[Window]) -> torch.Tensor:
         """Flat `[T]` token ids; host lists become one tensor, device tensors are concatenated."""
         if all(isinstance(w.token_ids, list) for w in windows):
             flat = [t for w in windows for t in w.token_ids]
-            return torch.tensor(flat, dtype=torch.long, device=self.device)
-        parts = [
-            w.token_ids.reshape(-1) if isinstance(w.token_ids, torch.Tensor)
-            else torch.tensor(w.token_ids, dtype=torch.long, device=self.device)
-            for w in windows
-        ]
-        return torch.cat(parts)
+            ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+        else:
+            ids = torch.cat([
+                w.token_ids.reshape(-1) if isinstance(w.token_ids, torch.Tensor)
+                else torch.tensor(w.token_ids, dtype=torch.long, device=self.device)
+                for w in windows
+            ])
+        if self.output_vocab > self.model_vocab:  # padding ids the model has no embedding for
+            ids = torch.where(ids < self.model_vocab, ids, torch.zeros_like(ids))
+        return ids
