@@ -1,10 +1,12 @@
 """POST /v1/chat/completions and /v1/completions: validate, admit, submit, then stream or collect.
 
-Every admitted request owns a concurrency slot and an engine request id until `ActiveRequest.close`
-runs, exactly once, on every path out: the stream finished, the engine failed, the client went
+A request for n choices submits n engine requests for its prompt together; the siblings start on
+the first one's prompt blocks (`share_prompt_with`), and their deltas arrive on one stream.
+Every admitted request owns a concurrency slot per choice and its engine request ids until
+`ActiveRequest.close` runs, exactly once, on every path out: the stream finished, the engine failed, the client went
 away (sse-starlette cancels the stream; a non-streaming request races its disconnect), or the
-response never started. Closing an unfinished request aborts it on the engine thread, which frees
-its blocks in both pools.
+response never started. Closing an unfinished request aborts its unfinished choices on the engine
+thread, which frees their blocks in both pools.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,13 +23,18 @@ from sse_starlette import EventSourceResponse
 
 from specdec.api.engine_loop import EngineDeadError, GenerationRequest, RequestFailedError, RequestStream
 from specdec.api.errors import APIError, error_body
-from specdec.api.protocol import ChatFormat, CompletionFormat, ResponseFormat, Usage
-from specdec.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, GenerationFields
+from specdec.api.logprobs import TokenTexts
+from specdec.api.protocol import ChatFormat, ChoiceOutput, CompletionFormat, ResponseFormat, Usage
+from specdec.api.schemas import (
+    ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields,
+)
 from specdec.api.state import ServerState, server_state
-from specdec.sequence import StepDelta
+from specdec.sampling_params import SamplingParams
+from specdec.sequence import StepDelta, TokenLogprobs
 from specdec.verify import AcceptanceStats
 
 router = APIRouter()
+_SEED_MODULUS = 2**63  # choice i samples with seed + i, wrapped into SamplingParams' range
 
 
 @router.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES)
@@ -34,7 +42,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     state = server_state(request)
     state.check_model(body.model)
     prompt_ids = state.chat_prompt_ids([m.as_template_dict() for m in body.messages])
-    fmt = ChatFormat(state.settings.model_name, body.include_usage)
+    fmt = ChatFormat(state.settings.model_name, body.include_usage, body.num_choices, _token_texts(state, body))
     return await _generate(request, state, body, prompt_ids, fmt, "messages")
 
 
@@ -43,24 +51,31 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state = server_state(request)
     state.check_model(body.model)
     prompt_ids = state.completion_prompt_ids(body.prompt)
-    fmt = CompletionFormat(state.settings.model_name, body.include_usage)
+    echo = state.prompt_text(body.prompt, prompt_ids) if body.echo else ""
+    fmt = CompletionFormat(state.settings.model_name, body.include_usage, body.num_choices,
+                           _token_texts(state, body), echo)
     return await _generate(request, state, body, prompt_ids, fmt, "prompt")
+
+
+def _token_texts(state: ServerState, body: GenerationFields) -> TokenTexts | None:
+    return state.token_texts if body.requested_logprobs() is not None else None
 
 
 async def _generate(
     request: Request, state: ServerState, body: GenerationFields, prompt_ids: list[int],
     fmt: ResponseFormat, prompt_param: str,
 ) -> Any:
-    max_tokens = _max_tokens(body.requested_max_tokens(), len(prompt_ids), state.info().max_model_len, prompt_param)
+    info = state.info()
+    max_tokens = _max_tokens(body.requested_max_tokens(), len(prompt_ids), info.max_model_len, prompt_param)
     try:
-        params = body.sampling_params(max_tokens)
+        params = body.sampling_params(max_tokens, info.vocab_size)
+    except FieldError as exc:
+        raise APIError(400, str(exc), exc.param, "invalid_value") from exc
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
-    active = ActiveRequest.admit(state, fmt.id, len(prompt_ids))
+    active = ActiveRequest.admit(state, fmt.id, len(prompt_ids), body.num_choices)
     try:
-        stream = state.engine.submit(
-            GenerationRequest(fmt.id, prompt_ids, params, body.num_speculative_tokens, body.cache_salt)
-        )
+        stream = state.engine.submit_all(active.generation_requests(prompt_ids, params, body))
     except EngineDeadError as exc:
         active.close(None)
         raise APIError(503, f"the engine is not running: {exc}", code="engine_dead") from exc
@@ -88,64 +103,120 @@ def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prom
     return room if requested is None else requested
 
 
-class ActiveRequest:
-    """One admitted request: its slot, its engine id, its counters and latency metrics."""
+@dataclass
+class Choice:
+    """One of a request's n samples: its engine request and what has come back so far."""
 
-    def __init__(self, state: ServerState, request_id: str, prompt_len: int) -> None:
-        self.state, self.request_id = state, request_id
-        self.usage = Usage(prompt_len)
-        self.arrival = self.last_token_at = time.perf_counter()
+    index: int
+    request_id: str
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)  # the engine's, from the finishing delta
+    finish_reason: str | None = None
+    last_token_at: float | None = None
+
+    def output(self, with_logprobs: bool) -> ChoiceOutput:
+        return ChoiceOutput("".join(self.texts), self.finish_reason or "stop", self.logprobs if with_logprobs else None)
+
+
+class ActiveRequest:
+    """One admitted request: its slots (one per choice), its n engine requests (the first one's id
+    is the response's; the siblings' are `{id}-{i}`), their counters and the latency metrics."""
+
+    def __init__(self, state: ServerState, request_id: str, prompt_len: int, n: int = 1) -> None:
+        self.state, self.request_id, self.prompt_len = state, request_id, prompt_len
+        self.choices = [Choice(i, request_id if i == 0 else f"{request_id}-{i}") for i in range(n)]
+        self._by_request_id = {choice.request_id: choice for choice in self.choices}
+        self.arrival = time.perf_counter()
         self.first_token_at: float | None = None
-        self.stats = AcceptanceStats()  # the engine's counts, from the finishing delta
-        self.finish_reason: str | None = None
         self.closed = False
 
     @classmethod
-    def admit(cls, state: ServerState, request_id: str, prompt_len: int) -> ActiveRequest:
-        if not state.limiter.try_acquire():
+    def admit(cls, state: ServerState, request_id: str, prompt_len: int, n: int = 1) -> ActiveRequest:
+        limit = state.settings.max_concurrent
+        if n > limit:
+            raise APIError(400, f"n={n} is more than this server runs at once (--max-concurrent {limit})",
+                           "n", "invalid_value")
+        if not state.limiter.try_acquire(n):
             raise APIError(
-                429, f"the server is already running its maximum of {state.settings.max_concurrent} "
-                "concurrent requests; retry later", code="too_many_concurrent_requests",
+                429, f"the server is already running its maximum of {limit} concurrent requests "
+                "(a request with n choices counts n); retry later", code="too_many_concurrent_requests",
                 headers={"Retry-After": "1"},
             )
         state.metrics.prompt_tokens.inc(prompt_len)
-        return cls(state, request_id, prompt_len)
+        return cls(state, request_id, prompt_len, n)
 
-    def on_delta(self, delta: StepDelta) -> None:
+    def generation_requests(
+        self, prompt_ids: list[int], params: SamplingParams, body: GenerationFields,
+    ) -> list[GenerationRequest]:
+        """One engine request per choice; the siblings share the first one's prompt blocks, and
+        choice i samples with seed + i (so choice 0 is the n=1 answer)."""
+        leader = self.choices[0].request_id
+        return [
+            GenerationRequest(
+                choice.request_id, prompt_ids,
+                params if params.seed is None or not choice.index
+                else replace(params, seed=(params.seed + choice.index) % _SEED_MODULUS),
+                body.num_speculative_tokens, body.cache_salt, share_prompt_with=leader if choice.index else None,
+            )
+            for choice in self.choices
+        ]
+
+    @property
+    def usage(self) -> Usage:
+        """The prompt once, the completions of all choices; cached tokens as the first choice found them."""
+        return Usage(self.prompt_len, sum(c.num_tokens for c in self.choices), self.choices[0].num_cached_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finish_reason is not None for choice in self.choices)
+
+    def on_delta(self, delta: StepDelta) -> Choice:
+        choice = self._by_request_id[delta.request_id]
         now, num_tokens = time.perf_counter(), len(delta.token_ids)
         metrics = self.state.metrics
         if num_tokens:
             if self.first_token_at is None:
                 self.first_token_at = now
                 metrics.ttft.observe(now - self.arrival)
+            if choice.last_token_at is None:
                 metrics.generated_tokens.inc(num_tokens)
             else:
-                metrics.observe_tokens(num_tokens, now - self.last_token_at)
-            self.last_token_at = now
-        self.usage.completion_tokens += num_tokens
-        self.usage.cached_tokens = delta.num_cached_tokens
+                metrics.observe_tokens(num_tokens, now - choice.last_token_at)
+            choice.last_token_at = now
+        choice.num_tokens += num_tokens
+        choice.texts.append(delta.text)
+        choice.logprobs.extend(delta.logprobs or [])
+        choice.num_cached_tokens = delta.num_cached_tokens
         if delta.stats is not None:
-            self.stats = delta.stats
+            choice.stats = delta.stats
         if delta.finished:
-            self.finish_reason = delta.finish_reason or "stop"
+            choice.finish_reason = delta.finish_reason or "stop"
+        return choice
 
     def extension(self) -> dict[str, Any]:
-        stats = self.stats
+        stats = AcceptanceStats()
+        for choice in self.choices:
+            stats.merge(choice.stats)
         return {"drafted": stats.num_draft_tokens, "accepted": stats.num_accepted_tokens,
                 "acceptance_rate": stats.acceptance_rate}
 
     def close(self, outcome: str | None) -> None:
-        """Release the slot and, if the engine still runs this request, abort it; count the
-        outcome (the finish reason if it finished; None: an error answer, counted by its handler).
-        Idempotent."""
+        """Release the slots and abort the choices the engine still runs; count the outcome (the
+        first choice's finish reason if all finished; None: an error answer, counted by its
+        handler). Idempotent."""
         if self.closed:
             return
         self.closed = True
-        if self.finish_reason is None:
-            self.state.engine.abort(self.request_id)
-        self.state.limiter.release()
-        if self.finish_reason or outcome:
-            self.state.metrics.requests.labels(self.finish_reason or outcome).inc()
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                self.state.engine.abort(choice.request_id)
+        self.state.limiter.release(len(self.choices))
+        reason = self.choices[0].finish_reason if self.finished else None
+        if reason or outcome:
+            self.state.metrics.requests.labels(reason or outcome).inc()
 
 
 async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[Any]:
@@ -153,10 +224,11 @@ async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: Respons
         for chunk in fmt.first_chunks():
             yield _data(chunk)
         async for delta in stream:
-            active.on_delta(delta)
+            choice = active.on_delta(delta)
             if delta.token_ids or delta.text:
-                yield _data(fmt.delta_chunk(delta))
-        yield _data(fmt.finish_chunk(active.finish_reason or "stop"))
+                yield _data(fmt.delta_chunk(choice.index, delta))
+            if delta.finished:
+                yield _data(fmt.finish_chunk(choice.index, choice.finish_reason))
         if fmt.include_usage:
             yield _data(fmt.usage_chunk(active.usage))
         active.close("stop")
@@ -171,12 +243,9 @@ async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: Respons
 
 
 async def _collect(request: Request, active: ActiveRequest, stream: RequestStream, fmt: ResponseFormat) -> Any:
-    texts: list[str] = []
-
     async def consume() -> None:
         async for delta in stream:
             active.on_delta(delta)
-            texts.append(delta.text)
 
     consumer = asyncio.ensure_future(consume())
     disconnect = asyncio.ensure_future(_client_gone(request))
@@ -190,7 +259,8 @@ async def _collect(request: Request, active: ActiveRequest, stream: RequestStrea
             active.close(None)  # the error handler counts the answer
             raise _engine_error(exc) from exc
         active.close("stop")
-        return fmt.response("".join(texts), active.finish_reason or "stop", active.usage, active.extension())
+        with_logprobs = fmt.token_texts is not None
+        return fmt.response([c.output(with_logprobs) for c in active.choices], active.usage, active.extension())
     finally:
         consumer.cancel()
         disconnect.cancel()

@@ -2,7 +2,7 @@
 
     event loop                          engine thread
     ----------                          -------------
-    submit(request) -> RequestStream    builds the Engine (model loading happens here)
+    submit(requests) -> RequestStream   builds the Engine (model loading happens here)
       inbox.append(("add", ...)) ---->  add_request / abort, in arrival order
     abort(id)                           step() -> [StepDelta]
       inbox.append(("abort", id)) --->  release finished requests, publish a snapshot
@@ -52,6 +52,9 @@ class GenerationRequest:
     params: SamplingParams
     num_speculative_tokens: int | None = None
     cache_salt: str | None = None  # requests with different salts share no cached prefix
+    # n > 1: the id of the first of the parallel samples of this prompt; this one starts on its
+    # cached prompt blocks once they are prefilled (`Engine.add_request(share_prompt_with=)`)
+    share_prompt_with: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,12 +85,18 @@ class EngineSnapshot:
 
 
 class RequestStream:
-    """The consumer side of one request: deltas arrive on an asyncio queue, in order."""
+    """The consumer side of one or more requests submitted together (the n choices of one HTTP
+    request): their deltas arrive on one asyncio queue, each request's in order, interleaved. It
+    ends once every one of them has finished, or at the first error."""
 
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
+    def __init__(self, request_ids: list[str]) -> None:
+        self.request_ids = list(request_ids)
         self.queue: asyncio.Queue[StepDelta | BaseException] = asyncio.Queue()
-        self.finished = False
+        self._unfinished = set(request_ids)
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -97,9 +106,10 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self.queue.get()
         if isinstance(item, BaseException):
-            self.finished = True
+            self._unfinished.clear()
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self._unfinished.discard(item.request_id)
         return item
 
 
@@ -151,11 +161,17 @@ class AsyncEngine:
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request; its deltas arrive on the returned stream. Raises EngineDeadError."""
-        stream = RequestStream(request.request_id)
+        return self.submit_all([request])
+
+    def submit_all(self, requests: list[GenerationRequest]) -> RequestStream:
+        """Queue requests together (in this order, with nothing between them, so a sibling's
+        `share_prompt_with` names one the engine already holds); all their deltas arrive on the
+        one returned stream. Raises EngineDeadError."""
+        stream = RequestStream([r.request_id for r in requests])
         with self._cond:
             if self.error is not None or self._stopping:
                 raise EngineDeadError(self.error or "the server is shutting down")
-            self._inbox.append(("add", request, stream))
+            self._inbox.extend(("add", request, stream) for request in requests)
             self._cond.notify()
         return stream
 
@@ -230,8 +246,8 @@ class AsyncEngine:
         logger.error("a step failed; failing its %d request(s)", len(exc.request_ids), exc_info=exc)
         cause = exc.__cause__ or exc
         error = f"{type(cause).__name__}: {cause}"
-        streams = [self._streams.pop(rid, None) for rid in exc.request_ids]
-        self._deliver([(stream, RequestFailedError(error)) for stream in streams if stream is not None])
+        streams = _unique(self._streams.pop(rid, None) for rid in exc.request_ids)
+        self._deliver([(stream, RequestFailedError(error)) for stream in streams])
 
     def _next_commands(self, engine: Any, stalled: bool) -> list[tuple] | None:
         """Wait until there is something to do; None when shutting down."""
@@ -255,7 +271,7 @@ class AsyncEngine:
         try:
             engine.add_request(
                 request.prompt_ids, request.params, request.request_id, request.num_speculative_tokens,
-                cache_salt=request.cache_salt,
+                cache_salt=request.cache_salt, share_prompt_with=request.share_prompt_with,
             )
         except ValueError as exc:
             self._deliver([(stream, exc)])
@@ -301,10 +317,15 @@ class AsyncEngine:
             self.error = message
             pending = [cmd[2] for cmd in self._inbox if cmd[0] == "add"]
             self._inbox.clear()
-        streams = pending + list(self._streams.values())
+        streams = _unique(pending + list(self._streams.values()))
         self._streams.clear()
         self._deliver([(stream, EngineDeadError(message)) for stream in streams])
         self.ready.set()
+
+
+def _unique(streams: Any) -> list[RequestStream]:
+    """The streams, each once (the choices of one request share theirs), Nones dropped."""
+    return list({id(s): s for s in streams if s is not None}.values())
 
 
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:

@@ -63,6 +63,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {err.get('msg', '')}", code="invalid_json")
     param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":  # OpenAI's answer to a field it does not know
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                        code="unknown_parameter")
     msg = err.get("msg", "invalid value")
     msg = msg.removeprefix("Value error, ")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")

@@ -1,8 +1,11 @@
 """OpenAI response bodies and stream chunks, for chat and text completions.
 
-A stream is: [role chunk (chat only)], one content chunk per engine step that emitted tokens, a
-chunk carrying `finish_reason`, a usage chunk (`choices: []`) when `stream_options.include_usage`
-is set, then `data: [DONE]`. Each content chunk carries a `specdec` extension field:
+A stream is: [a role chunk per choice (chat), or an echo chunk per choice (completions with
+`echo`)], one content chunk per engine step that emitted tokens for a choice, a chunk carrying a
+choice's `finish_reason` as soon as it finishes (the chunks of the n choices interleave, each with
+its `index`), a usage chunk (`choices: []`) when `stream_options.include_usage` is set, then
+`data: [DONE]`. With logprobs asked for, each content chunk carries its own tokens' entries
+(`specdec.api.logprobs`). Each content chunk carries a `specdec` extension field:
 
     "specdec": {"drafted": 4, "accepted": 2, "origins": ["accepted", "accepted", "recovered"],
                 "pieces": ["def", " quick", "sort"]}
@@ -19,7 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.sequence import StepDelta
+from specdec.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from specdec.sequence import StepDelta, TokenLogprobs
 
 
 @dataclass
@@ -50,11 +54,25 @@ def step_extension(delta: StepDelta) -> dict[str, Any]:
 
 
 @dataclass
+class ChoiceOutput:
+    """One finished choice of a non-streamed answer."""
+
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
 class ResponseFormat:
-    """Builds one request's chunks and final body; `ChatFormat` / `CompletionFormat` fill in the shape."""
+    """Builds one request's chunks and final body; `ChatFormat` / `CompletionFormat` fill in the
+    shape. `n` choices, indexed 0..n-1; `token_texts` is set when logprobs were asked for; `echo`
+    is the prompt text every completion choice starts with (completions only)."""
 
     model: str
     include_usage: bool = False
+    n: int = 1
+    token_texts: TokenTexts | None = None
+    echo: str = ""
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -64,27 +82,30 @@ class ResponseFormat:
 
     def __post_init__(self) -> None:
         self.id = self.id or f"{self.id_prefix}{uuid.uuid4().hex}"
+        self._text_offsets = [len(self.echo)] * self.n  # streamed legacy logprobs: where the next token starts
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        return []
+        if not self.echo:
+            return []
+        return [self._chunk([self._choice(i, self.echo, None, None)]) for i in range(self.n)]
 
-    def delta_chunk(self, delta: StepDelta) -> dict[str, Any]:
-        chunk = self._chunk([self._choice(delta.text, None)])
+    def delta_chunk(self, index: int, delta: StepDelta) -> dict[str, Any]:
+        chunk = self._chunk([self._choice(index, delta.text, None, self._stream_logprobs(index, delta))])
         chunk["specdec"] = step_extension(delta)
         return chunk
 
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
-        return self._chunk([self._choice(None, finish_reason)])
+    def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
+        return self._chunk([self._choice(index, None, finish_reason, None)])
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         chunk = self._chunk([])
         chunk["usage"] = usage.as_dict()
         return chunk
 
-    def response(self, text: str, finish_reason: str, usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
+    def response(self, choices: list[ChoiceOutput], usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
         return {
             "id": self.id, "object": self.response_object, "created": self.created, "model": self.model,
-            "choices": [self._final_choice(text, finish_reason)],
+            "choices": [self._final_choice(i, choice) for i, choice in enumerate(choices)],
             "usage": usage.as_dict(),
             "specdec": extension,
         }
@@ -96,11 +117,28 @@ class ResponseFormat:
             chunk["usage"] = None
         return chunk
 
-    def _choice(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    def _stream_logprobs(self, index: int, delta: StepDelta) -> dict[str, Any] | None:
+        if self.token_texts is None:
+            return None
+        logprobs = self._logprobs(delta.logprobs or [], self._text_offsets[index])
+        self._text_offsets[index] += sum(len(self.token_texts(e.token_id)[0]) for e in delta.logprobs or [])
+        return logprobs
 
-    def _final_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def _logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> dict[str, Any]:
+        return completion_logprobs(entries, self.token_texts, text_offset)
+
+    def _choice(self, index: int, text: str | None, finish_reason: str | None,
+                logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _final_logprobs(self, choice: ChoiceOutput) -> dict[str, Any] | None:
+        if self.token_texts is None:
+            return None
+        return self._logprobs(choice.logprobs or [], len(self.echo))
+
+    def _final_choice(self, index: int, choice: ChoiceOutput) -> dict[str, Any]:
+        return {"index": index, "text": self.echo + choice.text, "logprobs": self._final_logprobs(choice),
+                "finish_reason": choice.finish_reason}
 
 
 @dataclass
@@ -117,13 +155,17 @@ class ChatFormat(ResponseFormat):
     response_object = "chat.completion"
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        return [self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])]
+        return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}]) for i in range(self.n)]
 
-    def _choice(self, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+    def _logprobs(self, entries: list[TokenLogprobs], text_offset: int) -> dict[str, Any]:
+        return chat_logprobs(entries, self.token_texts)
+
+    def _choice(self, index: int, text: str | None, finish_reason: str | None,
+                logprobs: dict[str, Any] | None) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def _final_choice(self, text: str, finish_reason: str) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                "finish_reason": finish_reason}
+    def _final_choice(self, index: int, choice: ChoiceOutput) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self._final_logprobs(choice), "finish_reason": choice.finish_reason}

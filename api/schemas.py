@@ -1,20 +1,35 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), validated before any work is done.
 
-Fields we cannot honour (several choices, logprobs, penalties, tools) are rejected with a 400 that
-names them rather than silently ignored; unknown extra fields are ignored, as OpenAI's SDKs send new
-optional fields over time. `top_k`, `ignore_eos` and `num_speculative_tokens` are specdec
-extensions and `cache_salt` is vLLM's (pass them with the openai client's `extra_body`).
+Every field either changes the answer as OpenAI (or vLLM, for its extensions) defines it, or is
+refused with a 400 that names it. A few OpenAI fields cannot change the answer (`user`, `metadata`,
+`store`, `service_tier`, ...); they are accepted and not used. Any field not declared here is
+refused by name (`extra="forbid"`, answered as OpenAI answers one: `unknown_parameter`), so a
+control this server does not know never silently leaves the answer unchanged. docs/serving.md
+lists every field; tests/api/test_request_fields.py walks these models against that list.
+`top_k`, `ignore_eos` and `num_speculative_tokens` are specdec extensions; `min_p`, `min_tokens`,
+`repetition_penalty`, `stop_token_ids` and `cache_salt` are vLLM's (pass them with the openai
+client's `extra_body`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from specdec.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 _FLOAT = dict(allow_inf_nan=False)
+MAX_N = 16  # choices per request
+
+
+class FieldError(ValueError):
+    """A field's value that only the loaded model can refuse (token ids past its vocabulary,
+    `min_tokens` over the room left): a 400 naming `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 class ErrorDetail(BaseModel):
@@ -33,7 +48,8 @@ class ErrorResponse(BaseModel):
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
     for status, description in (
-        (400, "invalid JSON or parameters, or prompt + max_tokens over the context length"),
+        (400, "invalid JSON or parameters, an unknown or unsupported field (named in `param`), or "
+              "prompt + max_tokens over the context length"),
         (401, "missing or wrong API key (when the server has one)"),
         (404, "unknown model"),
         (413, "request body too large"),
@@ -45,40 +61,40 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = False
 
 
 class GenerationFields(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0, **_FLOAT)
     top_p: float | None = Field(None, gt=0.0, le=1.0, **_FLOAT)
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, **_FLOAT)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, **_FLOAT)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    # specdec extensions
-    top_k: int | None = Field(None, ge=-1, lt=2**31)  # any k >= vocab size means off
-    ignore_eos: bool = False
-    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
+    logit_bias: dict[str, float] | None = Field(None, description="token id (a decimal string) -> bias in [-100, 100]")
+    user: str | None = None  # no effect on the answer
+    # vLLM extensions
+    min_p: float | None = Field(None, ge=0.0, le=1.0, **_FLOAT)
+    min_tokens: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0, **_FLOAT)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # vLLM extension: requests with different salts share no cached prompt prefix
     cache_salt: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n not in (None, 1):
-            raise ValueError("only n=1 is supported")
-        return n
+    # specdec extensions
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # any k >= vocab size means off
+    ignore_eos: bool | None = False
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
 
     @field_validator("stop")
     @classmethod
@@ -97,56 +113,95 @@ class GenerationFields(BaseModel):
             raise ValueError("cache_salt must be a non-empty string when given")
         return salt
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("penalties are not supported (only 0)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if len(bias or {}) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(bias)}")
+        for key, value in (bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {value} for token {key}")
+        return bias
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def requested_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None = off, N = the token's logprob and N alternatives."""
+        return None
+
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
+        """The engine's parameters for this request. Raises FieldError naming the field."""
+        for name, ids in (("logit_bias", [int(k) for k in self.logit_bias or {}]),
+                          ("stop_token_ids", self.stop_token_ids or [])):
+            if any(i >= vocab_size for i in ids):
+                raise FieldError(name, f"token ids must be below the vocabulary size {vocab_size}")
+        if (self.min_tokens or 0) > max_tokens:
+            raise FieldError("min_tokens", f"{self.min_tokens} is more than max_tokens ({max_tokens})")
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
             max_tokens=max_tokens,
+            min_tokens=self.min_tokens or 0,
             stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed,
-            ignore_eos=self.ignore_eos,
+            ignore_eos=bool(self.ignore_eos),
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=self.requested_logprobs(),
         )
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One message; `name` and `tool_call_id` reach the chat template, which may use them."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None  # an earlier answer's refusal: no effect (templates do not show it)
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tool_calls(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("tool calls are not supported")
+        return value
 
     def as_template_dict(self) -> dict[str, str]:
-        """What a chat template sees: role and plain-text content."""
+        """What a chat template sees: role and plain-text content (and name / tool_call_id if set)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        message.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v})
+        return message
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -155,22 +210,40 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # no effect on the answer
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None  # tools are refused, so there is nothing to parallelize
+    # refused (tool calling and structured output: issue 16)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
+    @field_validator("top_logprobs")
     @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported")
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
         return value
 
-    @field_validator("tools")
+    @field_validator("tools", "functions")
     @classmethod
     def _no_tools(cls, value: list | None) -> list | None:
         if value:
-            raise ValueError("tools are not supported")
+            raise ValueError("tool calling is not supported")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
+        if value not in (None, "none"):
+            raise ValueError("tool calling is not supported; only 'none' is accepted")
         return value
 
     @field_validator("response_format")
@@ -183,15 +256,18 @@ class ChatCompletionRequest(GenerationFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(GenerationFields):
     """POST /v1/completions. One prompt per request: text, or a list of token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
     best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -204,19 +280,22 @@ class CompletionRequest(GenerationFields):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
-
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    def _echo_without_logprobs(cls, echo: bool | None, info: ValidationInfo) -> bool | None:
+        if echo and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does "
+                             "not compute; send one of them")
+        return echo
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n") or 1
+        if best_of is not None and best_of != n:
+            raise ValueError(f"best_of must equal n ({n}): choosing the best of several samples "
+                             "is not supported")
+        return best_of
 
     @field_validator("suffix")
     @classmethod
@@ -225,9 +304,5 @@ class CompletionRequest(GenerationFields):
             raise ValueError("suffix is not supported")
         return value
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_one(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return value
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs

@@ -4,7 +4,7 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming over SSE or not),
-GET /v1/models, GET /health (503 until the model is loaded, or once the engine loop died),
+POST /tokenize and /detokenize (vLLM's), GET /v1/models, GET /health (503 until the model is loaded, or once the engine loop died),
 GET /metrics (Prometheus), GET / (a chat page that colors tokens by origin).
 """
 
@@ -26,6 +26,7 @@ from specdec.api.engine_loop import AsyncEngine
 from specdec.api.errors import install_error_handlers
 from specdec.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from specdec.api.state import ServerSettings, ServerState, server_state
+from specdec.api.tokenize import router as tokenize_router
 
 PAGE = Path(__file__).parent / "static" / "index.html"
 
@@ -59,6 +60,7 @@ def create_app(engine: Any | Callable[[], Any] | AsyncEngine, settings: ServerSe
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, on_reject=state.metrics.record_status)
     app.include_router(completions_router)
+    app.include_router(tokenize_router)
     _add_service_routes(app, state)
     app.openapi = _openapi_without_422(app)
     return app

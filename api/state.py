@@ -11,6 +11,7 @@ from fastapi import Request
 
 from specdec.api.engine_loop import AsyncEngine, EngineInfo
 from specdec.api.errors import APIError
+from specdec.api.logprobs import TokenTexts
 from specdec.api.metrics import ServerMetrics
 
 
@@ -40,15 +41,15 @@ class ConcurrencyLimiter:
     def __init__(self, limit: int) -> None:
         self.limit, self.active = limit, 0
 
-    def try_acquire(self) -> bool:
-        if self.active >= self.limit:
+    def try_acquire(self, slots: int = 1) -> bool:
+        if self.active + slots > self.limit:
             return False
-        self.active += 1
+        self.active += slots
         return True
 
-    def release(self) -> None:
-        assert self.active > 0, "released more slots than acquired"
-        self.active -= 1
+    def release(self, slots: int = 1) -> None:
+        assert self.active >= slots, "released more slots than acquired"
+        self.active -= slots
 
 
 class ServerState:
@@ -57,6 +58,7 @@ class ServerState:
         self.engine = engine
         self.metrics = ServerMetrics(engine)
         self.limiter = ConcurrencyLimiter(settings.max_concurrent)
+        self._token_texts: TokenTexts | None = None
 
     def info(self) -> EngineInfo:
         """The loaded engine's facts; 503 while loading or after the engine loop died."""
@@ -77,33 +79,54 @@ class ServerState:
         """The API's own copy of the tokenizer (see `EngineInfo.api_tokenizer`)."""
         return self.info().api_tokenizer
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    @property
+    def token_texts(self) -> TokenTexts:
+        """Token id -> text and bytes for logprob entries (one cache for the server's life)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.tokenizer)
+        return self._token_texts
+
+    def chat_prompt_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         tokenizer = self.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages",
                            "no_chat_template")
         try:
             ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
             )
         except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
             raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
         return self._checked(list(ids), "messages")
 
-    def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def completion_prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         if isinstance(prompt, str):
-            tokenizer = self.tokenizer
-            if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer; send the prompt as token ids", "prompt")
-            prompt = tokenizer.encode(prompt, add_special_tokens=False)
+            prompt = self.require_tokenizer("send the prompt as token ids", "prompt").encode(
+                prompt, add_special_tokens=add_special_tokens)
         return self._checked(list(prompt), "prompt")
+
+    def prompt_text(self, prompt: str | list[int], prompt_ids: list[int]) -> str:
+        """The prompt as text (`echo`): as sent, or its token ids decoded."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.require_tokenizer("echo needs the prompt as text", "echo").decode(prompt_ids)
+
+    def require_tokenizer(self, advice: str, param: str) -> Any:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise APIError(400, f"this model has no tokenizer; {advice}", param)
+        return tokenizer
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise APIError(400, "the prompt is empty", param)
+        return self.checked_token_ids(ids, param)
+
+    def checked_token_ids(self, ids: list[int], param: str) -> list[int]:
+        """`ids`, or a 400 naming `param` if one is not in the vocabulary."""
         vocab = self.info().vocab_size
         if any(not 0 <= i < vocab for i in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {vocab})", param, "invalid_token_id")
+            raise APIError(400, f"token ids must be in [0, {vocab})", param, "invalid_token_id")
         return ids
 
 
