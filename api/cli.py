@@ -1,4 +1,4 @@
-"""The `specdec` command line: `generate`, `serve`, `eval`, `bench`."""
+"""The `specdec` command line: `generate`, `chat`, `models`, `serve`, `eval`, `bench`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdec.api import chat_cmd, generate_cmd
+    from specdec.api import chat_cmd, generate_cmd, models_cmd
 
     parser = argparse.ArgumentParser(
         prog="specdec", description="Speculative-decoding LLM inference engine."
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
     chat_cmd.register(sub)
+    models_cmd.register(sub)
     for module in _optional_commands():
         module.register(sub)
     return parser

@@ -1,0 +1,275 @@
+"""`specdec models`: the embedded default pair, what specdec has cached, and how to remove it.
+
+    $ specdec models                        # the pair's packages and GGUF files, the cache by model
+    $ specdec models --remove-cache         # delete the cache folders, after a y/N question
+    $ specdec models --remove-cache --yes   # ... without asking
+
+Only the folders specdec itself writes under the cache (`$SPECDEC_CACHE`, else `~/.cache/specdec`)
+are removed; everything in them is rebuilt on the next run. Anything else found there is listed,
+never deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdec.paths import cache_dir
+from specdec.target.default_pair import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    INSTALL_COMMAND,
+    ModelsNotInstalledError,
+    PackedModel,
+    find_parts,
+    gguf_path,
+    verified_sha256,
+)
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+# The folders specdec writes under its cache, and what each holds (the only ones --remove-cache
+# deletes).
+CACHE_FOLDERS = (
+    ("gguf", "GGUF assembled from the models packages"),
+    ("converted", "GGUF converted to safetensors"),
+    ("quantized", "quantized weights"),
+    ("kernels", "compiled C kernels"),
+)
+_CONVERTED = re.compile(r"(?P<model>.+)-[0-9a-f]{12}")  # <gguf stem>-<12 hex of its sha256>
+_QUANTIZED = re.compile(  # <model dir>-<mode>-<dtype>-<16 hex>.safetensors (target/quant/cache_file.py)
+    r"(?P<model>.+?)-(?P<mode>w4a8-auto|[^-]+)-(?P<dtype>bfloat16|float16|float32)-[0-9a-f]{16}\.safetensors"
+)
+
+
+@dataclass
+class CacheEntry:
+    """One file or folder directly inside a cache folder."""
+
+    folder: str
+    path: Path
+    model: str  # the model it belongs to ("" for kernels and what cannot be told)
+    detail: str
+    bytes_on_disk: int
+
+
+@dataclass
+class PairModel:
+    """One model of the embedded pair: its packages and its assembled GGUF."""
+
+    role: str
+    packed: PackedModel
+    parts: list[Path] | None  # None: the packages are not (all) installed
+    problem: str  # why not, when parts is None
+    gguf: Path
+    gguf_ok: bool  # assembled and its sha256 marker matches
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the default model pair and specdec's cache (and its size); "
+                                      "--remove-cache deletes the cache")
+    p.add_argument("--remove-cache", action="store_true",
+                   help="delete specdec's cache folders (gguf, converted, quantized, kernels); "
+                        "rebuilt on the next run")
+    p.add_argument("--yes", "-y", action="store_true", help="with --remove-cache: do not ask")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    root = cache_dir()
+    entries = scan_cache(root)
+    show_pair(console, pair_status())
+    show_cache(console, root, entries)
+    if args.remove_cache:
+        return remove_cache(console, root, entries, assume_yes=args.yes)
+    show_removal(console, root, entries)
+    return 0
+
+
+def pair_status() -> list[PairModel]:
+    """The default pair's packages (installed? where?) and assembled GGUF files."""
+    out = []
+    for role, packed in (("target", DEFAULT_TARGET), ("draft", DEFAULT_DRAFT)):
+        try:
+            parts, problem = find_parts(packed), ""
+        except ModelsNotInstalledError as exc:
+            parts, problem = None, str(exc)
+        path = gguf_path(packed)
+        ok = path.is_file() and verified_sha256(path) == packed.sha256
+        out.append(PairModel(role, packed, parts, problem, path, ok))
+    return out
+
+
+def scan_cache(root: Path) -> list[CacheEntry]:
+    """Every entry of every folder under `root`, known folders first, with its size on disk."""
+    if not root.is_dir():
+        return []
+    known = [name for name, _ in CACHE_FOLDERS]
+    folders = [root / n for n in known if (root / n).is_dir()]
+    folders += sorted(p for p in root.iterdir() if p.name not in known)
+    entries = []
+    for folder in folders:
+        name = folder.name if folder.is_dir() else "."  # "." : a file at the top of the cache
+        for path in sorted(folder.iterdir()) if folder.is_dir() else [folder]:
+            entries.append(CacheEntry(name, path, *describe(name, path), disk_usage(path)))
+    return entries
+
+
+def describe(folder: str, path: Path) -> tuple[str, str]:
+    """(model, what it is) of a cache entry, from specdec's naming of its files."""
+    name = path.name
+    if name.startswith(".") and name.endswith(".tmp"):
+        return "", "left by an interrupted run"
+    if folder == "gguf":
+        if name.endswith(".ok.json"):
+            return name.removesuffix(".gguf.ok.json"), "sha256 marker"
+        return path.stem, "GGUF file"
+    if folder == "converted" and (m := _CONVERTED.fullmatch(name)):
+        return m["model"], "fp32 safetensors"
+    if folder == "quantized" and (m := _QUANTIZED.fullmatch(name)):
+        model = _CONVERTED.fullmatch(m["model"])
+        return (model["model"] if model else m["model"]), f"{m['mode']}, {m['dtype']}"
+    if folder == "kernels":
+        return "", "C kernel"
+    return "", "not specdec's: kept by --remove-cache" if folder not in dict(CACHE_FOLDERS) else ""
+
+
+def disk_usage(path: Path) -> int:
+    """Bytes `path` takes on disk, like `du` (allocated blocks; symlinks not followed)."""
+    def size(p: str) -> int:
+        st = os.lstat(p)
+        return st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+
+    if path.is_symlink() or not path.is_dir():
+        return size(str(path))
+    total = size(str(path))
+    for dirpath, dirnames, filenames in os.walk(path):
+        total += sum(size(os.path.join(dirpath, n)) for n in dirnames + filenames)
+    return total
+
+
+def human(num_bytes: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    size = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def show_pair(console: Console, pair: list[PairModel]) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="Embedded default pair (the `models` extra, GGUF Q4_K_M)",
+                  title_justify="left", show_lines=True)
+    table.add_column("role")
+    table.add_column("model")
+    table.add_column("packages (GGUF parts) and assembled GGUF", overflow="fold")
+    for m in pair:
+        if m.parts is None:
+            why = m.problem.removeprefix("The default model pair is not installed ").split(". Install")[0]
+            packages = f"[red]not installed[/red] {escape(why)}"
+        else:
+            held = sum(p.stat().st_size for p in m.parts)
+            packages = (f"[green]installed[/green]: {len(m.parts)} packages, {human(held)}, "
+                        f"in {escape(os.path.commonpath(m.parts))}")
+        state = ("[green]sha256 checked[/green]" if m.gguf_ok else
+                 "present, not checked" if m.gguf.is_file() else "not assembled yet (the first run does it)")
+        table.add_row(m.role, m.packed.name, f"{packages}\nGGUF: {escape(str(m.gguf))} ({state})")
+    console.print(table)
+    if any(m.parts is None for m in pair):
+        console.print(f"Install the pair with:  {escape(INSTALL_COMMAND)}")
+
+
+def show_cache(console: Console, root: Path, entries: list[CacheEntry]) -> None:
+    """One section per model (its files and their total), then kernels and the rest."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not entries:
+        console.print(f"\nspecdec cache {escape(str(root))}: empty")
+        return
+    total = sum(e.bytes_on_disk for e in entries)
+    table = Table(title=f"specdec cache {escape(str(root))}", title_justify="left", show_footer=True)
+    table.add_column("model / file", overflow="fold", footer="total")
+    table.add_column("what")
+    table.add_column("on disk", justify="right", footer=human(total))
+    groups: dict[str, list[CacheEntry]] = {}
+    for e in entries:
+        groups.setdefault(e.model, []).append(e)
+    for model in sorted(groups, key=lambda m: (m == "", m)):
+        group = sorted(groups[model], key=lambda e: (_folder_rank(e.folder), e.path.name))
+        label = escape(model or "other")
+        table.add_row(f"[bold]{label}[/bold]", "", f"[bold]{human(sum(e.bytes_on_disk for e in group))}[/bold]")
+        for e in group:
+            table.add_row(escape(f"  {e.folder}/{e.path.name}"), e.detail, human(e.bytes_on_disk))
+        table.add_section()
+    console.print()
+    console.print(table)
+
+
+def _folder_rank(folder: str) -> int:
+    names = [name for name, _ in CACHE_FOLDERS]
+    return names.index(folder) if folder in names else len(names)
+
+
+def removable(root: Path) -> list[Path]:
+    """specdec's own cache folders that exist under `root` (what --remove-cache deletes)."""
+    return [root / name for name, _ in CACHE_FOLDERS if (root / name).is_dir()]
+
+
+def show_removal(console: Console, root: Path, entries: list[CacheEntry]) -> None:
+    from rich.markup import escape
+
+    paths = removable(root)
+    console.print("\n[bold]To remove[/bold]")
+    if paths:
+        size = sum(e.bytes_on_disk for e in entries if root / e.folder in paths)
+        console.print(f"  the cache ({human(size)}; rebuilt on the next run):  "
+                      f"specdec models --remove-cache   or", soft_wrap=True)
+        console.print(escape("    rm -rf " + " ".join(shlex.quote(str(p)) for p in paths)), soft_wrap=True)
+    else:
+        console.print("  the cache: nothing cached")
+    names = " ".join(f"{m.dist_prefix}{{1..{m.num_parts}}}" for m in (DEFAULT_TARGET, DEFAULT_DRAFT))
+    console.print(f"  the default pair's packages (bash/zsh):  pip uninstall -y {names}", soft_wrap=True)
+
+
+def remove_cache(console: Console, root: Path, entries: list[CacheEntry], assume_yes: bool) -> int:
+    """Delete specdec's cache folders under `root` after a y/N question (none with `assume_yes`)."""
+    from rich.markup import escape
+
+    paths = removable(root)
+    if not paths:
+        console.print("\nNothing to remove.")
+        return 0
+    size = sum(e.bytes_on_disk for e in entries if root / e.folder in paths)
+    console.print(f"\nThis deletes {human(size)}:")
+    for p in paths:
+        console.print(escape(f"  {p}"), soft_wrap=True)
+    if not assume_yes:
+        try:
+            answer = console.input("Delete these folders? [y/N] ")
+        except EOFError:  # no terminal to answer on: pass --yes
+            console.print()
+            answer = ""
+        if answer.strip().lower() not in ("y", "yes"):
+            console.print("Nothing removed.")
+            return 1
+    for p in paths:
+        shutil.rmtree(p)
+    if root.is_dir() and not any(root.iterdir()):
+        root.rmdir()
+    console.print(f"Removed {human(size)}.")
+    return 0
