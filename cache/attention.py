@@ -49,15 +49,19 @@ def paged_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Varlen causal attention over the paged cache: the Triton kernel on CUDA, else the reference.
 
-    Query ``i`` of sequence ``b`` sits at position ``seq_len_b - query_len_b + i`` and attends to
-    keys ``0..`` that position (causal within the window, full over the cached prefix).
+    Query ``i`` of sequence ``b`` sits at position ``p = seq_len_b - query_len_b + i`` and attends
+    to keys ``0..p`` (causal within the window, full over the cached prefix); with a sliding
+    ``window`` only to keys in ``(p - window, p]``. ``softcap`` caps the scaled scores at
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
     """
     if query.is_cuda and triton_available():
-        return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
-    return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
+    return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
 
 
 # Gathered K (or V) per chunk of sequences stays below glibc's largest mmap threshold (32 MiB):
@@ -76,6 +80,8 @@ def paged_attention_ref(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Torch reference of ``paged_attention``: padded, batched SDPA over gathered blocks.
 
@@ -88,15 +94,19 @@ def paged_attention_ref(
     (``_plan_chunks``) and the other layers reuse them.
 
     Example: seq_len 7, query_len 3 -> queries sit at positions 4, 5, 6 and see keys 0..4,
-    0..5 and 0..6.
+    0..5 and 0..6; with window 2, keys 3..4, 4..5 and 5..6. A window adds a lower bound to the
+    mask; soft-capping computes the scores itself (SDPA has no hook for it), in the folded layout.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     _check_heads(num_q_heads, num_kv_heads)
-    key = ("ref", query.element_size(), num_q_heads, num_kv_heads, head_dim, k_cache.shape[1])
+    capped = softcap is not None
+    key = ("ref", query.element_size(), num_q_heads, num_kv_heads, head_dim, k_cache.shape[1], window, capped)
     chunks = meta.scratch.get(key)
     if chunks is None:
-        chunks = meta.scratch[key] = _plan_chunks(meta, query, num_q_heads, num_kv_heads, k_cache.shape[1])
+        chunks = meta.scratch[key] = _plan_chunks(
+            meta, query, num_q_heads, num_kv_heads, k_cache.shape[1], window, capped
+        )
     assert sum(c.num_rows for c in chunks) == num_tokens, "query rows do not match the metadata"
     if not chunks:
         return query.new_empty(0, num_q_heads, head_dim)
@@ -104,7 +114,7 @@ def paged_attention_ref(
     for c in chunks:
         keys = _gather_kv(k_cache, c, k_scale, query.dtype)  # [b, Hkv, max_kv, D]
         values = _gather_kv(v_cache, c, v_scale, query.dtype)
-        outs.append(_attend(query[row : row + c.num_rows], keys, values, c, scale))
+        outs.append(_attend(query[row : row + c.num_rows], keys, values, c, scale, softcap))
         row += c.num_rows
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -125,7 +135,13 @@ class _Chunk:
 
 
 def _plan_chunks(
-    meta: AttentionMetadata, query: torch.Tensor, num_q_heads: int, num_kv_heads: int, block_size: int
+    meta: AttentionMetadata,
+    query: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    window: int | None = None,
+    capped: bool = False,  # soft-capped scores: always folded, never SDPA's causal flag
 ) -> list[_Chunk]:
     head_dim, device = query.shape[2], query.device
     group = num_q_heads // num_kv_heads
@@ -143,14 +159,17 @@ def _plan_chunks(
         block_ids = meta.block_tables[b0 : b0 + seqs_per_chunk, :num_blocks].reshape(-1)
         uniform = all(q == max_q for q in query_lens)
         rows = None if uniform else _padded_rows(query_lens, max_q, device)
-        folded = max_q <= _FOLD_MAX_QUERY_LEN
-        causal = not folded and uniform and max_q == max_kv
-        if max_q == 1 and all(s == max_kv for s in seq_lens):
+        folded = max_q <= _FOLD_MAX_QUERY_LEN or capped
+        chunk_window = window if window is not None and max_kv > window else None  # None: it hides nothing
+        causal = not folded and uniform and max_q == max_kv and chunk_window is None
+        if max_q == 1 and all(s == max_kv for s in seq_lens) and chunk_window is None:
             mask = None  # one query per sequence at the end of equal-length keys: sees them all
         elif causal:
             mask = None
         else:
-            mask = _causal_window_mask(seq_lens, query_lens, max_q, max_kv, device, group if folded else 1)
+            mask = _causal_window_mask(
+                seq_lens, query_lens, max_q, max_kv, device, group if folded else 1, chunk_window
+            )
         chunks.append(_Chunk(num_rows, batch, max_q, max_kv, block_ids, rows, mask, causal, folded))
     return chunks
 
@@ -161,6 +180,7 @@ def _attend(
     values: torch.Tensor,  # [b, Hkv, max_kv, D]
     chunk: _Chunk,
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [t, Hq, D]
     """One padded SDPA call for a chunk of sequences whose KV is already gathered."""
     _, num_q_heads, head_dim = query.shape
@@ -172,7 +192,7 @@ def _attend(
         padded = padded.view(batch, max_q, num_q_heads, head_dim)  # [b, max_q, Hq, D]
 
     if chunk.folded:
-        out = _sdpa_folded(padded, keys, values, chunk.mask, scale)
+        out = _sdpa_folded(padded, keys, values, chunk.mask, scale, softcap)
     else:
         q = padded.transpose(1, 2)  # [b, Hq, max_q, D]
         out = F.scaled_dot_product_attention(
@@ -188,6 +208,7 @@ def _sdpa_folded(
     values: torch.Tensor,  # [b, Hkv, max_kv, D]
     mask: torch.Tensor | None,  # [b, 1, G * max_q, max_kv] bool
     scale: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [b, max_q, Hq, D]
     """SDPA with the G query heads of each KV head folded into the query axis (no KV repeat)."""
     batch, max_q, num_q_heads, head_dim = padded.shape
@@ -196,9 +217,30 @@ def _sdpa_folded(
     # row g * max_q + i of KV head h is query i of head h * G + g
     q = padded.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, num_kv_heads, group * max_q, head_dim)
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    else:
+        out = _softcapped_attention(q, keys, values, mask, scale, softcap)
     out = out.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
     return out.reshape(batch, max_q, num_q_heads, head_dim)
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # [b, Hkv, R, D]
+    keys: torch.Tensor,  # [b, Hkv, max_kv, D]
+    values: torch.Tensor,  # [b, Hkv, max_kv, D]
+    mask: torch.Tensor | None,  # [b, 1, R, max_kv] bool
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [b, Hkv, R, D]
+    """Attention with scores capped at `softcap * tanh(score / softcap)`, in transformers' order
+    (scale, cap, mask, softmax in fp32)."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, Hkv, R, max_kv]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, values)
 
 
 def _check_heads(num_q_heads: int, num_kv_heads: int) -> None:
@@ -238,8 +280,10 @@ def _causal_window_mask(
     max_kv: int,
     device: torch.device,
     group: int = 1,
+    window: int | None = None,
 ) -> torch.Tensor:  # [B, 1, group * max_q, max_kv] bool
-    """Key ``j`` visible to query ``i`` iff ``j <= seq_len - query_len + i``.
+    """Key ``j`` visible to query ``i`` iff ``j <= seq_len - query_len + i`` (and, with a
+    ``window``, ``j > seq_len - query_len + i - window``).
 
     Row ``r`` is query ``r % max_q`` (rows repeat ``group`` times for folded GQA heads). Padded
     query rows (``i >= query_len``) still see key 0, so no row is fully masked.
@@ -248,4 +292,9 @@ def _causal_window_mask(
     query_idx = torch.arange(group * max_q, device=device) % max_q  # [G * max_q]
     last_visible = offsets[:, None] + query_idx  # [B, G * max_q]
     keys = torch.arange(max_kv, device=device)  # [max_kv]
-    return (keys[None, None, :] <= last_visible[:, :, None]).unsqueeze(1)
+    visible = keys[None, None, :] <= last_visible[:, :, None]  # [B, G * max_q, max_kv]
+    if window is not None:
+        visible &= keys[None, None, :] > last_visible[:, :, None] - window
+        padded = query_idx[None, :] >= torch.tensor(query_lens, device=device)[:, None]  # [B, G * max_q]
+        visible[:, :, 0] |= padded
+    return visible.unsqueeze(1)

@@ -28,8 +28,11 @@ def paged_attention_triton(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Same contract as ``attention.paged_attention``, computed by one Triton kernel launch.
+    """Same contract as ``attention.paged_attention`` (sliding window and soft-capping included),
+    computed by one Triton kernel launch.
 
     Grid ``(B, cdiv(max_query_len, BLOCK_M), Hkv)``; programs past a sequence's window exit at
     once. Runs on CUDA tensors, or on CPU tensors with ``TRITON_INTERPRET=1`` set before triton
@@ -68,7 +71,7 @@ def paged_attention_triton(
         paged_attention_kernel[grid](
             query, k_cache, v_cache, out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            float(scale), float(k_scale), float(v_scale),
+            float(scale), float(k_scale), float(v_scale), int(window or 0), float(softcap or 0.0),
             query.stride(0), query.stride(1),
             out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -86,6 +89,8 @@ def paged_attention_triton(
             # fp32 dots in IEEE fp32, never TF32 (Triton's default on CUDA), or fp32 results
             # drift from the reference that equality tests compare them with
             DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
+            HAS_WINDOW=window is not None,
+            HAS_SOFTCAP=softcap is not None,
         )  # fmt: skip
     return out
 

@@ -22,6 +22,8 @@ def paged_attention_kernel(
     scale,
     k_scale,
     v_scale,
+    window,  # sliding window (read when HAS_WINDOW): a query at p sees keys in (p - window, p]
+    softcap,  # score cap (read when HAS_SOFTCAP): s -> softcap * tanh(s / softcap)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -43,6 +45,8 @@ def paged_attention_kernel(
     DEQUANT: tl.constexpr,  # cache dtype differs from the query's or scales != 1
     UPCAST_DOT: tl.constexpr,  # fp32 dots: the interpreter multiplies bf16 as raw uint16
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots ("tf32" applies to fp32 inputs only)
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     """One program: BLOCK_M query tokens x the GROUP query heads sharing one KV head.
 
@@ -78,7 +82,10 @@ def paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)  # [R]
         acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM_PAD], tl.float32)  # [R, Dp]
         kv_end = tl.minimum(seq_len, context + (q_block + 1) * BLOCK_M)  # causal bound of the tile
-        for start in range(0, kv_end, BLOCK_N):
+        kv_start = 0
+        if HAS_WINDOW:  # skip the tiles before the window of the tile's first query
+            kv_start = tl.maximum(context + q_block * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+        for start in range(kv_start, kv_end, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)  # [Nt]
             pos_valid = pos < kv_end
             block = tl.load(
@@ -98,7 +105,14 @@ def paged_attention_kernel(
                 k = k.to(tl.float32) * k_scale
             k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [R, Nt]
+            if HAS_SOFTCAP:  # tanh from exp (no tanh in tl), odd so computed on |x|: no overflow
+                x = s / softcap
+                e = tl.exp(-2.0 * tl.abs(x))
+                t = (1.0 - e) / (1.0 + e)
+                s = tl.where(x < 0, -t, t) * softcap
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
+            if HAS_WINDOW:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
