@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specdec.config import EngineConfig
+from specdec.target.family_quant import family_quant
 from specdec.target.model_files import resolve_model
 from specdec.target.model_weights import load_model, parse_dtype
 from specdec.target.quant.qgemm import load_qgemm
@@ -36,18 +37,18 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
     On the CPU in bfloat16, where the AVX-512 VNNI kernel runs (`quant.qgemm`, built here once,
     ~2 s), the target takes "w4a8-auto" and the draft "w4a8"; without the kernel "w8a8" and
-    "int4+w8a8"; elsewhere "none" (see `EngineConfig.target_quant`).
+    "int4+w8a8"; elsewhere "none" (see `EngineConfig.target_quant`). Families the quantized
+    path does not implement (Gemma, Phi-3) take "none", logged (`family_quant`).
     """
-    if config.target_quant is not None and config.draft_quant is not None:
-        return config
     target, draft = "none", "none"
-    if config.dtype == "bfloat16" and config.resolved_device() == "cpu":
+    both_chosen = config.target_quant is not None and config.draft_quant is not None
+    if not both_chosen and config.dtype == "bfloat16" and config.resolved_device() == "cpu":
         kernel = load_qgemm() is not None
         target, draft = ("w4a8-auto", "w4a8") if kernel else ("w8a8", "int4+w8a8")
     return dataclasses.replace(
         config,
-        target_quant=target if config.target_quant is None else config.target_quant,
-        draft_quant=draft if config.draft_quant is None else config.draft_quant,
+        target_quant=family_quant(config.target, target, config.target_quant),
+        draft_quant=family_quant(config.draft, draft, config.draft_quant),
     )
 
 

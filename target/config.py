@@ -1,24 +1,41 @@
-"""Model configuration: the Llama-family fields our transformer needs, read from an HF config."""
+"""Model configuration: the decoder's shapes and per-family features, read from an HF config.
+
+One transformer covers every family below; a family is a set of features on top of Llama's
+layer (q/k norms, Gemma's norms and soft-capping, sliding windows, fused checkpoint projections),
+each a field of `ModelConfig` whose default is Llama's.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "MistralForCausalLM",
-)
+from specdec.target.rope import LAYER_TYPES, layer_typed
+
+log = logging.getLogger("specdec")
+
+# architecture -> model_type, for configs that name only one of the two
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+}
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class UnsupportedModelError(ValueError):
-    """The checkpoint's architecture is not one our Llama-family transformer implements."""
+    """The checkpoint's architecture is not one our transformer implements."""
 
 
 @dataclass
 class ModelConfig:
-    """Shapes and hyper-parameters of a Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2)."""
+    """Shapes and hyper-parameters of one decoder (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3)."""
 
     vocab_size: int
     hidden_size: int
@@ -34,41 +51,153 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     hf_config: Any = None  # kept for rope initialisation (scaling types live in transformers)
+    # Features beyond Llama's layer; the defaults are Llama's.
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each head of q and k, before rope
+    gemma_norms: bool = False  # RMSNorm scales by (1 + w) in fp32; norms after attention and the MLP too
+    embedding_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size)
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh" (Gemma)
+    query_scale: float | None = None  # attention scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar)
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: logits = cap * tanh(logits / cap)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: a query at p sees keys in (p - w, p]; (): none
+    local_rope_layers: tuple[bool, ...] = ()  # per layer: rope of the "sliding_attention" type (Gemma 3)
+    fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
+
+    def window(self, layer_idx: int) -> int | None:
+        """Layer `layer_idx`'s sliding window (None: it attends to every earlier key)."""
+        return self.sliding_windows[layer_idx] if self.sliding_windows else None
+
+    def llama_layer_differences(self) -> list[str]:
+        """What in this model's layers differs from Llama's (empty for Llama, Qwen2, Mistral
+        without a window): what the C layer loop and SmoothQuant's folds assume."""
+        features = {
+            "q/k norms": self.qk_norm, "Gemma norms": self.gemma_norms,
+            "embedding scale": self.embedding_scale is not None, f"{self.hidden_act} MLP": self.hidden_act != "silu",
+            "query scale": self.query_scale is not None, "attention soft-capping": self.attn_logit_softcap is not None,
+            "logit soft-capping": self.final_logit_softcap is not None,
+            "sliding windows": any(w is not None for w in self.sliding_windows),
+            "local rope": any(self.local_rope_layers), "fused checkpoint projections": self.fused_checkpoint,
+        }
+        return [name for name, present in features.items() if present]
+
+    def unquantized_reason(self) -> str | None:
+        """Why this family runs unquantized by default (`family_quant`); None where the quantized
+        path implements its layers."""
+        blocking = [d for d in self.llama_layer_differences() if d in ("Gemma norms", "fused checkpoint projections")]
+        if not blocking:
+            return None
+        return f"its {' and '.join(blocking)} differ from the Llama layers SmoothQuant and the fused kernels assume"
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
         """Read a transformers `PretrainedConfig`; raise `UnsupportedModelError` for other families."""
-        archs = list(getattr(hf_config, "architectures", None) or [])
-        model_type = getattr(hf_config, "model_type", "")
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs) and model_type not in (
-            "llama",
-            "qwen2",
-            "mistral",
-        ):
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or model_type!r}; specdec supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        model_type = _model_type(hf_config)
         heads = hf_config.num_attention_heads
+        num_layers = hf_config.num_hidden_layers
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         eos = hf_config.eos_token_id
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(getattr(hf_config, "attention_bias", False)) or model_type == "qwen2"
-        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False):
-            raise UnsupportedModelError("sliding-window attention is not supported yet")
+        gemma = model_type in GEMMA_TYPES
+        hidden_act = getattr(hf_config, "hidden_activation", None) if gemma else None
+        hidden_act = hidden_act or getattr(hf_config, "hidden_act", "silu")
+        if hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"activation {hidden_act!r} is not supported; specdec runs {ACTIVATIONS}")
+        _check_rope(hf_config)
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("bidirectional attention (an encoder configuration) is not supported")
+        windows = _sliding_windows(hf_config, num_layers)
         return cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
-            num_layers=hf_config.num_hidden_layers,
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
             attention_bias=attention_bias,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            max_position_embeddings=getattr(hf_config, "max_position_embeddings", 4096),
+            max_position_embeddings=_max_positions(hf_config),
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             hf_config=hf_config,
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            gemma_norms=gemma,
+            embedding_scale=hf_config.hidden_size**0.5 if gemma else None,
+            hidden_act=hidden_act,
+            query_scale=hf_config.query_pre_attn_scalar**-0.5 if gemma else None,
+            attn_logit_softcap=getattr(hf_config, "attn_logit_softcapping", None) if gemma else None,
+            final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None) if gemma else None,
+            sliding_windows=windows,
+            local_rope_layers=_local_rope_layers(hf_config, num_layers),
+            fused_checkpoint=model_type == "phi3",
         )
+
+
+def _model_type(hf_config: Any) -> str:
+    """The config's model_type when we implement it; `UnsupportedModelError` naming what we do."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    model_type = getattr(hf_config, "model_type", "")
+    if model_type in SUPPORTED_ARCHITECTURES.values():
+        return model_type
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[arch]
+    hint = ""
+    if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in archs:
+        hint = " (multimodal Gemma 3 checkpoints are not supported: use a text-only Gemma3ForCausalLM one)"
+    raise UnsupportedModelError(
+        f"unsupported architecture {archs or model_type!r}{hint}; specdec supports "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _sliding_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Per layer window, from `layer_types` (Gemma, Qwen2/3 with `use_sliding_window`) or, without
+    it, `sliding_window` on every layer (Mistral, Phi-3). () when no layer has one."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise UnsupportedModelError(f"layer types {unknown} are not supported; specdec runs {LAYER_TYPES}")
+    if not window:
+        return ()
+    if layer_types is None:
+        return (int(window),) * num_layers
+    windows = tuple(int(window) if t == "sliding_attention" else None for t in layer_types[:num_layers])
+    return windows if any(w is not None for w in windows) else ()
+
+
+def _local_rope_layers(hf_config: Any, num_layers: int) -> tuple[bool, ...]:
+    """Gemma 3 names rope parameters per layer type; its sliding layers take the local ones."""
+    if not layer_typed(hf_config):
+        return ()
+    layer_types = hf_config.layer_types[:num_layers]
+    return tuple(t == "sliding_attention" for t in layer_types)
+
+
+def _check_rope(hf_config: Any) -> None:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    for p in params.values() if layer_typed(hf_config) else [params]:
+        factor = p.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
+        if factor not in (None, 1.0):
+            raise UnsupportedModelError(f"partial rotary embeddings (factor {factor}) are not supported")
+
+
+def _max_positions(hf_config: Any) -> int:
+    """`max_position_embeddings`, capped for "longrope" (Phi-3 128k) at the original length: its
+    short factors, the ones transformers uses up to that length, are exact there; the long ones
+    would change the keys already cached, so longer contexts are not offered."""
+    max_pos = getattr(hf_config, "max_position_embeddings", 4096)
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    if params.get("rope_type") == "longrope":
+        original = params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+        if original < max_pos:
+            log.info(
+                "longrope: context limited to %d positions (of %d): beyond that transformers switches every "
+                "position to the long factors, which cached keys cannot follow", original, max_pos,
+            )
+            return int(original)
+    return max_pos

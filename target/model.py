@@ -1,13 +1,17 @@
-"""A Llama-family decoder (Llama, Qwen2, Mistral, SmolLM2) over flat, varlen token batches.
+"""One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3)
+over flat, varlen token batches.
 
 The model sees only `input_ids [T]`, `positions [T]`, the paged KV cache and the attention metadata
 of one step; it returns logits only for the rows asked for (`logits_indices`), so verification can
 keep all `k+1` rows of each window while prefill keeps just the last one. Parameter names are
-identical to transformers', so an HF safetensors state dict loads as it is.
+identical to transformers', so an HF safetensors state dict loads as it is (Phi-3's fused
+`qkv_proj` / `gate_up_proj` included: the model keeps them fused). What a family adds to Llama's
+layer is a `ModelConfig` feature; with none of them the arithmetic is Llama's, op for op.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -19,6 +23,7 @@ from specdec.target.config import ModelConfig
 from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope
 
 MAX_ROPE_POSITIONS = 32768
+log = logging.getLogger("specdec")
 
 
 class LayerStack(Protocol):
@@ -30,6 +35,8 @@ class LayerStack(Protocol):
 
 
 class RMSNorm(nn.Module):
+    kernel_fusable = True  # what QLinear's fused norm computes (`normed`)
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -43,12 +50,35 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by `1 + weight` in fp32, then casts (Llama casts, then scales)."""
+
+    kernel_fusable = False
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, size: int) -> RMSNorm:
+    return GemmaRMSNorm(size, config.rms_norm_eps) if config.gemma_norms else RMSNorm(size, config.rms_norm_eps)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 def normed(norm: RMSNorm | None, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`linear(norm(x))`; one call where the linear fuses the norm into its kernel
     (`fuses_rmsnorm`: `QLinear`), saving the norm's eight ops per call."""
     if norm is None:
         return linear(x)
-    if getattr(linear, "fuses_rmsnorm", False) and norm.weight.dtype in (torch.bfloat16, torch.float32):
+    if getattr(linear, "fuses_rmsnorm", False) and norm.kernel_fusable and norm.weight.dtype in (torch.bfloat16, torch.float32):
         return linear(x, norm.weight, norm.eps)
     return linear(norm(x))
 
@@ -67,17 +97,25 @@ def plus_linear(
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         d, hq, hkv = config.head_dim, config.num_heads, config.num_kv_heads
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
-        self.scale = d**-0.5
+        self.scale = d**-0.5 if config.query_scale is None else config.query_scale
+        self.window = config.window(layer_idx)  # None: every earlier key
+        self.softcap = config.attn_logit_softcap
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections (or fused in the checkpoint)
+        if config.fused_checkpoint:
+            self.qkv_proj = nn.Linear(config.hidden_size, (hq + 2 * hkv) * d, bias=bias)
+            self.q_proj = self.k_proj = self.v_proj = None
+        else:
+            self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=bias)
+            self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
+            self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
-        self.qkv_proj: nn.Module | None = None  # set by fuse_projections
+        self.q_norm = make_norm(config, d) if config.qk_norm else None  # per head, before rope
+        self.k_norm = make_norm(config, d) if config.qk_norm else None
 
     def fuse_projections(self, fuse) -> None:
         """Replace q/k/v by `fuse([q, k, v])`, one module computing all three (unless it is None)."""
@@ -102,7 +140,9 @@ class Attention(nn.Module):
         else:
             x = x if norm is None else norm(x)
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        if cpu_attention.supports(meta, qkv, k_cache, kv_cache.k_scale, kv_cache.v_scale):
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
+        if cpu_attention.supports(meta, qkv, k_cache, kv_cache.k_scale, kv_cache.v_scale) and self.c_kernel_fits:
             out = cpu_attention.rope_write_attend(
                 qkv, hq, hkv, rotation.positions, rotation.cos_table, rotation.signed_sin_table,
                 k_cache, v_cache, meta, self.scale,
@@ -113,18 +153,37 @@ class Attention(nn.Module):
             q, k = apply_rope(qk.view(t, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)
             write_kv(k, v.view(t, hkv, d), k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
             out = paged_attention(
-                q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale
+                q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale, self.window, self.softcap
             ).reshape(t, hq * d)  # [T, Hq * D]
         return plus_linear(residual, self.o_proj, out)
+
+    @property
+    def c_kernel_fits(self) -> bool:
+        """The C attention (`cpu_attention`) implements neither sliding windows nor soft-capping."""
+        return self.window is None and self.softcap is None
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, (Hq + 2 Hkv) * D]
+        """`qkv` with each head of q and k RMS-normalised (Qwen3, Gemma 3)."""
+        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = self.q_norm(q.reshape(t, hq, d)).reshape(t, hq * d)
+        k = self.k_norm(k.reshape(t, hkv, d)).reshape(t, hkv * d)
+        return torch.cat([q, k, v], dim=-1)
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections (or fused in the checkpoint)
+        if config.fused_checkpoint:
+            self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
+            self.gate_proj = self.up_proj = None
+        else:
+            self.gate_proj = nn.Linear(hidden, inter, bias=False)
+            self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act = None if config.hidden_act == "silu" else gelu_tanh  # None: SiLU, fused where it can
 
     def fuse_projections(self, fuse) -> None:
         """Replace gate/up by `fuse([gate, up])`, one module computing both (unless it is None)."""
@@ -139,20 +198,34 @@ class MLP(nn.Module):
         residual: torch.Tensor | None = None,  # [T, hidden]: returned plus the MLP output
     ) -> torch.Tensor:  # [T, hidden]
         if self.gate_up_proj is not None:
-            return plus_linear(residual, self.down_proj, normed(norm, self.gate_up_proj, x), glu=True)
-        x = x if norm is None else norm(x)
-        return plus_linear(residual, self.down_proj, torch.cat([self.gate_proj(x), self.up_proj(x)], -1), glu=True)
+            gate_up = normed(norm, self.gate_up_proj, x)  # [T, 2 * intermediate]
+        else:
+            x = x if norm is None else norm(x)
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], -1)
+        if self.act is None:
+            return plus_linear(residual, self.down_proj, gate_up, glu=True)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return plus_linear(residual, self.down_proj, self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        # Gemma: the attention's and the MLP's outputs are normalised before their residual adds,
+        # and post_attention_layernorm is the first of those (the MLP's input norm is pre_feedforward)
+        gemma = config.gemma_norms
+        self.pre_feedforward_layernorm = make_norm(config, config.hidden_size) if gemma else None
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size) if gemma else None
 
     def forward(self, h, rotation, kv_cache, layer_idx, meta) -> torch.Tensor:
+        if self.pre_feedforward_layernorm is not None:
+            attn = self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm)
+            h = h + self.post_attention_layernorm(attn)
+            return h + self.post_feedforward_layernorm(self.mlp(h, norm=self.pre_feedforward_layernorm))
         h = self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm, residual=h)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
@@ -161,8 +234,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -178,11 +251,16 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._layer_stack: LayerStack | None = None  # see use_layer_stack
+        self._told_c_attention = False  # the C attention's fallback is logged once
 
     def use_layer_stack(self, stack: LayerStack | None) -> None:
         """Run the decoder layers through `stack` from now on where it can (None: the Python loop).
         A stack snapshots the layers' buffers: set it after the last change to the weights (the
-        runner does); `.to()` and friends drop it."""
+        runner does); `.to()` and friends drop it. A stack runs Llama's layer only: a model whose
+        layers differ keeps the Python loop (logged)."""
+        if stack is not None and (differences := self.config.llama_layer_differences()):
+            log.info("layers run in Python: the C layer loop implements Llama's layer, not %s", ", ".join(differences))
+            stack = None
         self._layer_stack = stack
 
     def _apply(self, fn, *args, **kwargs):
@@ -205,12 +283,30 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [R]
     ) -> torch.Tensor:
+        config = self.config
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if config.embedding_scale is not None:  # rounded to the model dtype, as transformers does
+            h = h * torch.tensor(config.embedding_scale).to(h.dtype)
         rotation = self.rotary(positions, h.dtype)
+        local = self.rotary.local_rotation(positions, h.dtype)  # Gemma 3's sliding layers; else None
         stack = self._layer_stack
         if stack is None or not stack.run(h, rotation, kv_cache, meta):  # run: h in place
             for i, layer in enumerate(self.model.layers):
-                h = layer(h, rotation, kv_cache, i, meta)
+                layer_rotation = local if local is not None and config.local_rope_layers[i] else rotation
+                h = layer(h, layer_rotation, kv_cache, i, meta)
+            self._tell_c_attention(meta)
         if logits_indices.numel() == 0:  # a pure cache fill (prefill chunks)
-            return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        return normed(self.model.norm, self.lm_head, h[logits_indices]).float()  # [R, V]
+            return h.new_empty(0, config.vocab_size, dtype=torch.float32)
+        logits = normed(self.model.norm, self.lm_head, h[logits_indices]).float()  # [R, V]
+        if config.final_logit_softcap is not None:
+            logits = torch.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
+        return logits
+
+    def _tell_c_attention(self, meta: AttentionMetadata) -> None:
+        """Log once when the C attention ran this step but some layers could not use it."""
+        if self._told_c_attention or not meta.scratch.get("cpu_attention"):
+            return
+        self._told_c_attention = True
+        if not all(layer.self_attn.c_kernel_fits for layer in self.model.layers):
+            log.info("sliding-window and soft-capped attention layers use the torch reference attention: the C "
+                     "kernel implements neither")

@@ -10,9 +10,21 @@ import torch
 from torch import nn
 
 
-def _rope_parameters(hf_config: Any) -> dict:
-    """The rope dict of a config from transformers 5 (`rope_parameters`) or 4 (`rope_scaling`)."""
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Gemma 3 keys rope parameters by layer type
+
+
+def layer_typed(hf_config: Any) -> bool:
+    """Whether the config names rope parameters per layer type (Gemma 3: local and global)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return bool(set(params) & set(LAYER_TYPES))
+
+
+def _rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
+    """The rope dict of a config from transformers 5 (`rope_parameters`) or 4 (`rope_scaling`);
+    `layer_type` picks one of a layer-typed config's dicts."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -20,9 +32,10 @@ def _rope_parameters(hf_config: Any) -> dict:
     return params
 
 
-def inv_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """`(inv_freq [D/2], attention_scaling)` for the rope type the config names."""
-    params = _rope_parameters(hf_config)
+def inv_frequencies(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """`(inv_freq [D/2], attention_scaling)` for the rope type the config names (for `layer_type`'s
+    layers where the config is layer-typed)."""
+    params = _rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = float(params.get("rope_theta", 10000.0))
@@ -32,27 +45,44 @@ def inv_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]
 
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ValueError(f"rope type {rope_type!r} is not supported")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    typed = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **typed)
     return inv_freq.float(), float(scaling)
 
 
+def _tables(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(cos [P, D], signed_sin [P, D])` fp32 for positions 0..P-1."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # [P, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin
+    signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scaling
+    return emb.cos() * scaling, signed
+
+
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (neox / rotate-half layout)."""
+    """Precomputed cos/sin tables indexed by absolute position (neox / rotate-half layout); a
+    layer-typed config (Gemma 3) also gets the sliding layers' tables (`local_rotation`)."""
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq, scaling = inv_frequencies(hf_config, head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin
-        signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1) * scaling
-        self.register_buffer("signed_sin", signed, persistent=False)
+        typed = layer_typed(hf_config)
+        cos, signed_sin = _tables(*inv_frequencies(hf_config, head_dim, "full_attention" if typed else None), max_positions)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
+        local = _tables(*inv_frequencies(hf_config, head_dim, "sliding_attention"), max_positions) if typed else (None, None)
+        self.register_buffer("local_cos", local[0], persistent=False)
+        self.register_buffer("local_signed_sin", local[1], persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
         """The rotation of the tokens at `positions [T]`, for a model computing in `dtype`."""
         return Rotation(positions, self.cos, self.signed_sin, dtype)
+
+    def local_rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation | None":
+        """As `forward`, with the sliding layers' parameters; None unless the config has them."""
+        if self.local_cos is None:
+            return None
+        return Rotation(positions, self.local_cos, self.local_signed_sin, dtype)
 
 
 @dataclass

@@ -18,14 +18,18 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_prefill_batch_matches_transformers(arch, block_size):
-    hf = tiny_hf_model(arch)
+    assert_prefill_matches(tiny_hf_model(arch), block_size, PROMPTS)
+
+
+def assert_prefill_matches(hf, block_size: int, prompts: list[list[int]]) -> None:
+    """One batched prefill of `prompts` through our paged model, each row within TOL of `hf`'s."""
     runner = ModelRunner.build(from_hf(hf), block_size=block_size, num_blocks=128)
-    tables = [runner.new_table() for _ in PROMPTS]
-    for table, p in zip(tables, PROMPTS):
+    tables = [runner.new_table() for _ in prompts]
+    for table, p in zip(tables, prompts):
         assert table.ensure_slots(len(p))
-    logits = runner.forward([Window(t, p, len(p)) for t, p in zip(tables, PROMPTS)])
-    rows = torch.split(logits, [len(p) for p in PROMPTS])
-    for p, ours in zip(PROMPTS, rows):
+    logits = runner.forward([Window(t, p, len(p)) for t, p in zip(tables, prompts)])
+    rows = torch.split(logits, [len(p) for p in prompts])
+    for p, ours in zip(prompts, rows):
         assert (ours - _hf_logits(hf, p)).abs().max().item() < TOL
 
 
