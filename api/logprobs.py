@@ -77,7 +77,7 @@ def completion_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, text_of
         offsets.append(text_offset)
         text_offset += len(text)
         top = {texts(t)[0]: finite(lp) for t, lp in entry.top}
-        top.setdefault(text, finite(entry.logprob))
+        top[text] = finite(entry.logprob)  # the chosen token's own, should another spell the same
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [finite(e.logprob) for e in entries], "top_logprobs": tops,
             "text_offset": offsets}

@@ -119,7 +119,7 @@ class GenerationFields(BaseModel):
         if len(bias or {}) > MAX_LOGIT_BIAS:
             raise ValueError(f"at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(bias)}")
         for key, value in (bias or {}).items():
-            if not key.strip().isdigit():
+            if not (key.strip().isascii() and key.strip().isdigit()):
                 raise ValueError(f"keys must be token ids (decimal strings), got {key!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"biases must be in [-100, 100], got {value} for token {key}")
