@@ -98,6 +98,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top token's probability")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, -2..2")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, -2..2")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, > 0 (1 = off)")
     g.add_argument("--max-tokens", type=int, default=256)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--seed", type=int, default=None)
@@ -106,6 +110,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         max_tokens=args.max_tokens, stop=args.stop, seed=args.seed, ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
     )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from specdec.sequence import StepDelta, TokenOrigin
+from specdec.sequence import StepDelta, TokenLogprobs, TokenOrigin
 from specdec.verify import AcceptanceStats
 
 if TYPE_CHECKING:
@@ -31,6 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="apply the chat template (default for chat models)")
     p.add_argument("--no-chat", dest="chat", action="store_false", help="raw completion")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="after the answer, print each token's log-probability under the target and "
+                        "its N most likely alternatives (0..20; from the verify pass)")
     add_answer_args(p)
     p.set_defaults(func=run)
 
@@ -54,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     from specdec.api.args import engine_config_from_args, sampling_params_from_args
 
-    params = sampling_params_from_args(args)
+    params = replace(sampling_params_from_args(args), logprobs=args.logprobs)
     config = engine_config_from_args(args)
     err = Console(stderr=True, highlight=False)
     engine, load_s, warm_s = load_engine(config, err, args.warmup)
@@ -66,12 +71,35 @@ def run(args: argparse.Namespace) -> int:
     printer = StreamPrinter(out, err, len(prompt_ids), args.show_acceptance, not args.quiet_stats,
                             num_prompt_tokens=sum(len(ids) for ids in prompt_ids))
     t_start = time.perf_counter()
+    logprobs: dict[str, list[TokenLogprobs]] = {}
     try:
         for delta in engine.stream(prompt_ids, params):
             printer.add(delta)
+            logprobs.setdefault(delta.request_id, []).extend(delta.logprobs or [])
     finally:  # an interrupted run must still hand the terminal back from the live region
         printer.close(time.perf_counter() - t_start)
+    if params.logprobs is not None:
+        for request_id, entries in logprobs.items():
+            out.print(logprobs_table(entries, engine.tokenizer, request_id if len(logprobs) > 1 else None))
     return 0
+
+
+def logprobs_table(entries: list[TokenLogprobs], tokenizer, title: str | None = None):
+    """A rich table: each token, its logprob and probability, and the alternatives at its position."""
+    from rich.table import Table
+
+    from specdec.api.logprobs import TokenTexts
+
+    texts = TokenTexts(tokenizer)
+    table = Table(title=title, box=None, pad_edge=False, header_style="bold")
+    for column, justify in (("#", "right"), ("token", "left"), ("logprob", "right"), ("p", "right"),
+                            ("most likely at this position", "left")):
+        table.add_column(column, justify=justify, overflow="fold")
+    for i, entry in enumerate(entries):
+        top = "  ".join(f"{texts(t)[0]!r} {lp:.3f}" for t, lp in entry.top)
+        table.add_row(str(i), repr(texts(entry.token_id)[0]), f"{entry.logprob:.4f}",
+                      f"{math.exp(entry.logprob):.3f}", top)
+    return table
 
 
 def load_engine(config: EngineConfig, err: Console, warmup: bool = True) -> tuple[Engine, float, float | None]:
