@@ -46,13 +46,14 @@ def inv_frequencies(hf_config: Any, head_dim: int, layer_type: str | None = None
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ValueError(f"rope type {rope_type!r} is not supported")
     typed = {} if layer_type is None else {"layer_type": layer_type}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **typed)
+    with torch.device("cpu"):  # also under the loader's meta device: these read their own tensors
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **typed)
     return inv_freq.float(), float(scaling)
 
 
 def _tables(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`(cos [P, D], signed_sin [P, D])` fp32 for positions 0..P-1."""
-    positions = torch.arange(max_positions, dtype=torch.float32)
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
     freqs = torch.outer(positions, inv_freq)  # [P, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
     # sin with its first half negated: rotate_half(x) * sin == swap_halves(x) * signed_sin

@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 
+from specdec.cache import cpu_attention
 from specdec.config import EngineConfig
 from specdec.engine import Engine
 from specdec.sampling_params import SamplingParams
@@ -140,3 +141,166 @@ def test_speculative_greedy_equals_transformers_generate(arch):
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
                               eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
         assert out == ref
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_hf_folder_loads_as_transformers_saved_it(tmp_path, arch):
+    """`save_pretrained` and our safetensors loader: names as they are (Phi-3's fused ones too),
+    tied Gemma heads, both of Gemma 3's rope tables rebuilt off the meta device."""
+    from specdec.target.model_weights import load_model
+
+    hf = hf_model(arch)
+    hf.save_pretrained(tmp_path)
+    ids = PROMPTS[0]
+    runner = ModelRunner.build(load_model(tmp_path, torch.float32), block_size=4, num_blocks=16)
+    table = runner.new_table()
+    table.ensure_slots(len(ids))
+    assert (runner.forward([Window(table, ids, len(ids))]) - _hf_logits(hf, ids)).abs().max().item() < TOL
+
+
+def test_longrope_limits_the_context_to_its_original_length(caplog):
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        config = ModelConfig.from_hf(hf_config("phi3-longrope"))
+    assert config.max_position_embeddings == 64
+    assert "longrope" in caplog.text
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]), "multimodal"),
+    (dict(layer_types=["chunked_attention", "full_attention"]), "layer types"),
+    (dict(use_bidirectional_attention=True), "bidirectional"),
+    (dict(hidden_activation="relu2"), "activation"),
+])
+def test_what_we_do_not_run_is_refused_by_name(change, match):
+    config = hf_config("gemma3")
+    for name, value in change.items():
+        setattr(config, name, value)
+    with pytest.raises(UnsupportedModelError, match=match):
+        ModelConfig.from_hf(config)
+
+
+def test_partial_rotary_is_refused():
+    config = hf_config("phi3")
+    config.rope_parameters["partial_rotary_factor"] = 0.75
+    with pytest.raises(UnsupportedModelError, match="partial rotary"):
+        ModelConfig.from_hf(config)
+
+
+def test_llama_qwen2_and_plain_mistral_have_no_new_features():
+    from specdec.testing import tiny_hf_config
+
+    for arch in ("llama", "qwen2", "mistral"):
+        config = ModelConfig.from_hf(tiny_hf_config(arch))
+        assert config.llama_layer_differences() == [] and config.unquantized_reason() is None
+    assert ModelConfig.from_hf(hf_config("mistral-window")).sliding_windows == (4, 4)
+    assert ModelConfig.from_hf(hf_config("gemma2")).sliding_windows == (4, None)
+
+
+def test_models_whose_layers_differ_keep_the_python_layer_loop(caplog):
+    """The C layer loop runs Llama's layer: a stack handed to a Qwen3 is dropped, with the reason."""
+    model = from_hf(hf_model("qwen3"))
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        model.use_layer_stack(object())
+    assert model._layer_stack is None and "q/k norms" in caplog.text
+
+
+def test_windowed_layers_never_reach_the_c_attention(monkeypatch, caplog):
+    """Where the C attention runs, a windowed model's layers still take the reference path (they
+    would fail here, where the kernel is absent), and the model says so once."""
+    from specdec.cache import cpu_attention
+
+    def kernel_runs(meta, *args):
+        meta.scratch["cpu_attention"] = True
+        return True
+
+    monkeypatch.setattr(cpu_attention, "supports", kernel_runs)
+    hf = hf_model("mistral-window")
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        assert_prefill_matches(hf, 4, PROMPTS)
+    assert caplog.text.count("reference attention") == 1
+
+
+def test_gemma_and_phi3_default_to_unquantized_and_refuse_smoothing(tmp_path, caplog):
+    from specdec.target.family_quant import family_quant
+
+    for arch in ("gemma2", "phi3", "qwen3"):
+        hf_model(arch).save_pretrained(tmp_path / arch)
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        assert family_quant(str(tmp_path / "gemma2"), "w4a8-auto", None) == "none"
+        assert family_quant(str(tmp_path / "phi3"), "w8a8", None) == "none"
+    assert "Gemma norms" in caplog.text and "fused checkpoint projections" in caplog.text
+    assert family_quant(str(tmp_path / "qwen3"), "w8a8", None) == "w8a8"
+    assert family_quant(str(tmp_path / "gemma2"), "none", "int4") == "int4"
+    with pytest.raises(ValueError, match="smooths"):
+        family_quant(str(tmp_path / "phi3"), "none", "w8a8")
+    assert family_quant("default-target", "w8a8", None) == "w8a8"
+
+
+def _quantized_greedy_is_exact(arch: str, mode: str, max_error: float) -> None:
+    """Quantized in `mode`: logits within `max_error` (relative) of the dense model's, and
+    speculative greedy output equal to target-only output."""
+    from specdec.target.model_weights import calibration_forward
+    from specdec.target.quant.convert import prepare_quantized, quantize_model
+
+    hf = hf_model(arch)
+    reference = _prefill_logits(from_hf(hf), PROMPTS[0])
+    models = [from_hf(hf), from_hf(hf_model(arch, seed=1, num_hidden_layers=1))]
+    for m in models:
+        quantize_model(m, mode, progress=False, calibrate=calibration_forward(m, list(range(3, 90))))
+        prepare_quantized(m)
+    quantized = _prefill_logits(models[0], PROMPTS[0])
+    assert ((quantized - reference).norm() / reference.norm()).item() < max_error
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run(**kw):
+        config = EngineConfig(dtype="float32", num_blocks=64, block_size=4, adaptive_k=False, **kw)
+        return [o.token_ids for o in Engine.from_models(config, *models).generate(PROMPTS, greedy)]
+
+    assert run(proposer="draft", num_speculative_tokens=3) == run(proposer="none")
+
+
+def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
+    runner = ModelRunner.build(model, block_size=4, num_blocks=16)
+    table = runner.new_table()
+    table.ensure_slots(len(ids))
+    return runner.forward([Window(table, ids, len(ids))])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral-window"])
+def test_smoothed_w8a8_runs_qwen3_and_windowed_mistral(arch):
+    _quantized_greedy_is_exact(arch, "w8a8", 0.1)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3"])
+def test_int4_runs_gemma_and_phi3(arch):
+    _quantized_greedy_is_exact(arch, "int4", 0.6)  # random weights, off the int4 grid: Llama's is 0.4-0.5
+
+
+def test_llama3_rope_loads_from_a_folder(tmp_path):
+    """The loader builds the model on the meta device; transformers' rope functions still run."""
+    test_hf_folder_loads_as_transformers_saved_it(tmp_path, "llama3")
+
+
+def _decode_logits(model) -> torch.Tensor:
+    """Logits of a batched prefill of PROMPTS and three verify-like steps after it."""
+    runner = ModelRunner.build(model, block_size=4, num_blocks=64)
+    tables = [runner.new_table() for _ in PROMPTS]
+    for t, p in zip(tables, PROMPTS):
+        t.ensure_slots(len(p) + 6)
+    out = [runner.forward([Window(t, p, 1) for t, p in zip(tables, PROMPTS)])]
+    for width in (1, 3, 2):
+        out.append(runner.forward([Window(t, list(range(40, 40 + width)), width) for t in tables]))
+    return torch.cat(out)
+
+
+@pytest.mark.skipif(cpu_attention.load_attention() is None,
+                    reason=f"CPU attention kernel unavailable: {cpu_attention.KERNEL.unavailable_reason()}")
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "mistral-window"])
+def test_bf16_on_the_c_attention_matches_the_reference_path(arch, monkeypatch):
+    """In bf16 on the CPU the C attention takes the layers it implements (q/k-normed heads, a
+    query_pre_attn_scalar scale, Gemma 3's global layer), the reference the windowed ones."""
+    model = from_hf(hf_model(arch), torch.bfloat16)
+    with_kernel = _decode_logits(model)
+    monkeypatch.setenv("SPECDEC_NO_KERNELS", "1")
+    reference = _decode_logits(model)
+    assert ((with_kernel - reference).norm() / reference.norm()).item() < 2e-2
