@@ -121,3 +121,31 @@ def test_server_only_touches_the_engine_from_its_thread(serve, make_engine):
                 t.join()
         time.sleep(0.1)
     assert len(recording.threads) == 1 and threading.get_ident() not in recording.threads
+
+
+def test_submit_all_streams_siblings_together(make_engine):
+    """The n choices of one request: one stream carries every sibling's deltas until all finished;
+    a prompt the engine refuses fails that stream once."""
+    async def scenario():
+        engine = AsyncEngine(make_engine(max_model_len=16))
+        engine.start()
+        await asyncio.to_thread(engine.ready.wait, 10)
+        siblings = [_request("lead", 6)] + [
+            GenerationRequest(f"lead-{i}", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=6 + i,
+                              ignore_eos=True), share_prompt_with="lead") for i in (1, 2)]
+        deltas = await _drain(engine.submit_all(siblings))
+        too_long = [GenerationRequest(rid, list(range(40)), SamplingParams(), share_prompt_with=lead)
+                    for rid, lead in (("big", None), ("big-1", "big"))]
+        failed, error = engine.submit_all(too_long), None
+        try:
+            await _drain(failed)
+        except ValueError as exc:
+            error = exc
+        engine.shutdown()
+        return deltas, error, failed
+
+    deltas, error, failed = asyncio.run(scenario())
+    tokens = {rid: sum(len(d.token_ids) for d in deltas if d.request_id == rid) for rid in ("lead", "lead-1", "lead-2")}
+    assert tokens == {"lead": 6, "lead-1": 7, "lead-2": 8}
+    assert sum(d.finished for d in deltas) == 3
+    assert isinstance(error, ValueError) and failed.finished
