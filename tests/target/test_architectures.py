@@ -60,10 +60,12 @@ def hf_config(arch: str):
         return tf.Phi3Config(**shape, original_max_position_embeddings=64, rope_parameters=_longrope(16))
     if arch == "mistral-window":
         return tf.MistralConfig(**shape, sliding_window=4)
+    if arch == "qwen2-window":  # layers from max_window_layers on slide
+        return tf.Qwen2Config(**shape, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     raise AssertionError(arch)
 
 
-ARCHS = ["qwen3", "llama3", "gemma2", "gemma3", "phi3", "phi3-longrope", "mistral-window"]
+ARCHS = ["qwen3", "llama3", "gemma2", "gemma3", "phi3", "phi3-longrope", "mistral-window", "qwen2-window"]
 _MODELS: dict = {}
 
 
@@ -194,6 +196,7 @@ def test_llama_qwen2_and_plain_mistral_have_no_new_features():
         assert config.llama_layer_differences() == [] and config.unquantized_reason() is None
     assert ModelConfig.from_hf(hf_config("mistral-window")).sliding_windows == (4, 4)
     assert ModelConfig.from_hf(hf_config("gemma2")).sliding_windows == (4, None)
+    assert ModelConfig.from_hf(hf_config("qwen2-window")).sliding_windows == (None, 4)
 
 
 def test_models_whose_layers_differ_keep_the_python_layer_loop(caplog):
