@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         """The rotation of the tokens at `positions [T]`, for a model computing in `dtype`."""
         return Rotation(positions, self.cos, self.signed_sin, dtype)
 
-    def local_rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation | None":
+    def local_rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation | None:
         """As `forward`, with the sliding layers' parameters; None unless the config has them."""
         if self.local_cos is None:
             return None
