@@ -1,17 +1,18 @@
-"""Model specs -> a local folder with `config.json`, `*.safetensors` and tokenizer files.
+"""Model specs -> a local folder with `config.json`, tokenizer files and weights (safetensors or GGUF).
 
 A spec is one of:
 
 - a local Hugging Face folder: returned as it is, once checked;
-- a `.gguf` file: dequantized ONCE into `<cache>/converted/<stem>-<key>/` (fp32 safetensors, shards
-  of at most 2 GB, + config.json + tokenizer files). The key is the file's sha256 when
-  `default_pair` vouched for it, else a hash of its path, size and mtime, so a warm resolve never
-  reads the weights;
+- a `.gguf` file: its config and tokenizer are read from its metadata ONCE into
+  `<cache>/models/<stem>-<key>/` (a few MB), beside `model.gguf`, a link to the file; the weights
+  stay in the GGUF and are read tensor by tensor when a model loads (`checkpoint_reader`). The key
+  is the file's sha256 when `default_pair` vouched for it, else a hash of its path, size and
+  mtime, so a warm resolve never reads the weights;
 - `"default-target"` / `"default-draft"`: the embedded Qwen2.5-Coder pair (`default_pair`);
 - a hub id such as `Qwen/Qwen2.5-0.5B`: fetched with `huggingface_hub.snapshot_download`.
 
     >>> resolve_model("default-draft")   # doctest: +SKIP
-    PosixPath('/root/.cache/specdec/converted/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M-1d9614638d18')
+    PosixPath('/root/.cache/specdec/models/Qwen2.5-Coder-0.5B-Instruct-Q4_K_M-1d9614638d18')
 """
 
 from __future__ import annotations
@@ -28,31 +29,32 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from specdec.paths import cache_dir
+from specdec.target.checkpoint_reader import GGUF_NAME, weight_files
 from specdec.target.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from specdec.target.default_pair import default_draft_gguf, default_target_gguf, verified_sha256
+from specdec.target.gguf_file import GGUFFile
 
 DEFAULT_TARGET_SPEC = "default-target"
 DEFAULT_DRAFT_SPEC = "default-draft"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-_MAX_SHARD_SIZE = "2GB"
 
 
 def resolve_model(spec: str, progress: bool = True) -> Path:
-    """Turn a model spec into a local folder holding config.json, safetensors and tokenizer files.
+    """Turn a model spec into a local folder holding config.json, tokenizer files and weights.
 
     Raises `ValueError` with a clear message when the spec names nothing usable, and
     `default_pair.ModelsNotInstalledError` for the default specs without the `models` extra.
     """
     if spec == DEFAULT_TARGET_SPEC:
-        return convert_gguf(default_target_gguf(progress=progress), progress=progress)
+        return prepare_gguf(default_target_gguf(progress=progress), progress=progress)
     if spec == DEFAULT_DRAFT_SPEC:
-        return convert_gguf(default_draft_gguf(progress=progress), progress=progress)
+        return prepare_gguf(default_draft_gguf(progress=progress), progress=progress)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ValueError(f"GGUF file {spec!r} does not exist.")
-        return convert_gguf(path, progress=progress)
+        return prepare_gguf(path, progress=progress)
     if path.is_dir():
         return check_hf_folder(path)
     if path.exists():
@@ -70,14 +72,15 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
 
 
 def check_hf_folder(folder: Path) -> Path:
-    """Return `folder` if it holds config.json and safetensors weights; ValueError otherwise."""
+    """Return `folder` if it holds config.json and weights (safetensors, or the `model.gguf` link
+    of a folder `prepare_gguf` wrote); ValueError otherwise."""
     if not folder.is_dir():
         raise ValueError(f"Model folder {str(folder)!r} does not exist.")
     if not (folder / "config.json").is_file():
         raise ValueError(
             f"Model folder {str(folder)!r} has no config.json; is it a Hugging Face model?"
         )
-    if not any(folder.glob("*.safetensors")):
+    if not weight_files(folder):
         hint = " (it only has PyTorch .bin weights; re-save them as safetensors)" if any(
             folder.glob("*.bin")
         ) else ""
@@ -101,82 +104,129 @@ def download_from_hub(repo_id: str) -> Path:
     return check_hf_folder(Path(folder))
 
 
-def converted_dir(gguf_file: Path) -> Path:
-    """Where the conversion of `gguf_file` lives: `<cache>/converted/<stem>-<12 hex key>`."""
+def gguf_model_dir(gguf_file: Path) -> Path:
+    """The folder standing for `gguf_file`: `<cache>/models/<stem>-<12 hex key>`."""
+    return cache_dir() / "models" / _gguf_folder_name(gguf_file)
+
+
+def _gguf_folder_name(gguf_file: Path) -> str:
     sha = verified_sha256(gguf_file)
     if sha is None:
         st = gguf_file.stat()
         identity = f"{gguf_file.resolve()}\0{st.st_size}\0{st.st_mtime_ns}"
         sha = hashlib.sha256(identity.encode()).hexdigest()
-    return cache_dir() / "converted" / f"{gguf_file.stem}-{sha[:12]}"
+    return f"{gguf_file.stem}-{sha[:12]}"
 
 
-def convert_gguf(gguf_file: Path, progress: bool = True) -> Path:
-    """Convert `gguf_file` once into an fp32 safetensors folder; later calls return at once.
+def prepare_gguf(gguf_file: Path, progress: bool = True) -> Path:
+    """A folder for `gguf_file`: config.json, generation_config.json and the tokenizer files read
+    from its metadata once (a few MB), and `model.gguf`, a link to the file itself, whose tensors
+    the loaders read one at a time (`checkpoint_reader`). Later calls return at once.
 
-    The conversion is written into a temporary sibling folder and renamed at the end, so an
-    interrupted run never leaves a folder that looks complete; concurrent runs both finish and
-    the first rename wins.
+    The folder is written into a temporary sibling and renamed at the end, so an interrupted run
+    never leaves a folder that looks complete; concurrent runs both finish and the first rename
+    wins. A float32 conversion left by an older specdec (`<cache>/converted`, ~6x the GGUF) is
+    deleted.
     """
-    out = converted_dir(gguf_file)
+    out = gguf_model_dir(gguf_file)
+    _remove_legacy_conversion(out.name)
     if (out / "config.json").is_file():
+        _link_weights(out, gguf_file)
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        _convert_into(gguf_file, tmp, progress)
+        _describe_into(gguf_file, tmp, progress)
         try:
             os.rename(tmp, out)
         except OSError:
             if not (out / "config.json").is_file():
                 raise
-            shutil.rmtree(tmp)  # another process finished the same conversion first
+            shutil.rmtree(tmp)  # another process finished first
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _convert_into(gguf_file: Path, folder: Path, progress: bool) -> None:
-    """Dequantize `gguf_file` with transformers' GGUF support and save it as an HF folder."""
-    import torch
-    from huggingface_hub import save_torch_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+def _describe_into(gguf_file: Path, folder: Path, progress: bool) -> None:
+    """Write config, generation config and tokenizer of `gguf_file` into `folder`, and the link."""
+    from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     start = time.perf_counter()
     say = _reporter(progress)
-    say(f"converting {gguf_file.name} once into {folder.parent} (a minute or two; later loads "
-        "take seconds)")
+    config = gguf_config(GGUFFile.open(gguf_file))
+    _check_supported(config.architectures[0], gguf_file)
+    # A known tokenizer_type skips a second parse of the metadata.
+    tokenizer_type = config.model_type if config.model_type in TOKENIZER_MAPPING_NAMES else None
     with _transformers_progress(progress):
-        say("reading GGUF metadata (config, tokenizer)")
-        src = {"pretrained_model_name_or_path": gguf_file.parent, "gguf_file": gguf_file.name}
-        config = AutoConfig.from_pretrained(**src, local_files_only=True)
-        # A known tokenizer_type skips a second slow parse of the metadata (~10 s for Qwen2.5).
-        known = config.model_type in TOKENIZER_MAPPING_NAMES
-        tokenizer_type = config.model_type if known else None
-        tokenizer = AutoTokenizer.from_pretrained(**src, tokenizer_type=tokenizer_type)
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config)
-        _check_supported(type(skeleton).__name__, gguf_file)
-        say("dequantizing tensors to float32")
-        tensors = load_gguf_checkpoint(
-            str(gguf_file), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
-        )["tensors"]
-    _check_complete(tensors, skeleton, config, gguf_file)
-    say("writing safetensors")
-    save_torch_state_dict(
-        tensors, folder, max_shard_size=_MAX_SHARD_SIZE, metadata={"format": "pt"}
-    )
-    del tensors
-    config.architectures = [type(skeleton).__name__]
-    config.dtype = torch.float32
+        tokenizer = AutoTokenizer.from_pretrained(
+            gguf_file.parent, gguf_file=gguf_file.name, tokenizer_type=tokenizer_type
+        )
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     _make_readable(folder)
-    say(f"converted {gguf_file.name} in {time.perf_counter() - start:.0f} s")
+    _link_weights(folder, gguf_file)
+    say(f"read the config and tokenizer of {gguf_file.name} in {time.perf_counter() - start:.1f} s")
+
+
+def gguf_config(gguf: GGUFFile):
+    """The transformers config of a GGUF file, from its metadata as transformers' GGUF loader
+    reads it (`GGUF_TO_TRANSFORMERS_MAPPING`), without its slow parse of the vocabulary."""
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        GGUF_SUPPORTED_ARCHITECTURES, GGUF_TO_TRANSFORMERS_MAPPING,
+    )
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    meta = gguf.metadata
+    arch = meta["general.architecture"]
+    # llama.cpp writes Mistral as llama; transformers tells them apart by general.name alone
+    updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else arch
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and updated not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(f"{gguf.path.name}: GGUF architecture {arch!r} is not supported")
+    config = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        config.setdefault(key, value)
+    renames = GGUF_TO_TRANSFORMERS_MAPPING["config"]
+    for key, value in meta.items():
+        prefix, _, rest = key.replace(arch, updated).partition(".")
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, updated)
+        new_key = renames.get(prefix, {}).get(rest)
+        if new_key not in (None, -1):
+            config[new_key] = value
+    config.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))  # an array read as its length
+    model_type = config.pop("model_type")
+    hf_config = AutoConfig.for_model(model_type, **config)
+    hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)]
+    return hf_config
+
+
+def _link_weights(folder: Path, gguf_file: Path) -> None:
+    """Point `folder/model.gguf` at `gguf_file` (again, if the file moved)."""
+    link = folder / GGUF_NAME
+    target = gguf_file.resolve()
+    if link.is_symlink() and Path(os.readlink(link)) == target:
+        return
+    tmp = folder / f".{GGUF_NAME}.{os.getpid()}.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target)
+    os.replace(tmp, link)
+
+
+def _remove_legacy_conversion(name: str) -> None:
+    """Delete `<cache>/converted/<name>`, the float32 copy older specdec versions kept."""
+    legacy = cache_dir() / "converted" / name
+    if legacy.is_dir():
+        shutil.rmtree(legacy, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (cache_dir() / "converted").rmdir()  # only if empty
 
 
 def _make_readable(folder: Path) -> None:
@@ -192,19 +242,6 @@ def _check_supported(architecture: str, gguf_file: Path) -> None:
         raise UnsupportedModelError(
             f"{gguf_file.name} holds a {architecture}; specdec supports "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}."
-        )
-
-
-def _check_complete(tensors: dict, skeleton, config, gguf_file: Path) -> None:
-    """Every parameter of the model must have come out of the file (lm_head may be tied)."""
-    expected = set(skeleton.state_dict())
-    if getattr(config, "tie_word_embeddings", False):
-        expected.discard("lm_head.weight")
-    missing = sorted(expected - set(tensors))
-    if missing:
-        raise ValueError(
-            f"{gguf_file.name}: {len(missing)} parameters are missing from the GGUF file "
-            f"(e.g. {missing[:3]}); is its architecture ({config.model_type}) fully supported?"
         )
 
 

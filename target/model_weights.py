@@ -1,21 +1,23 @@
-"""Build a `LlamaForCausalLM` from a local HF folder (config.json + *.safetensors)."""
+"""Build a `LlamaForCausalLM` from a local folder (config.json + safetensors or a GGUF link)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
+from specdec.target.checkpoint_reader import open_checkpoint, param_sources
 from specdec.target.config import ModelConfig
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.cache_file import load_quantized, quant_cache_path, save_quantized
-from specdec.target.quant.convert import prepare_quantized, quantize_model
-from specdec.target.quant.formats import MODES, linear_kind
+from specdec.target.quant.convert import prepare_quantized
 from specdec.target.quant.smoothing import calibration_text
-from specdec.target.runner import ModelRunner, Window
+from specdec.target.quantized_stream import calibration_forward, stream_quantized
 from specdec.target.tokenizer import load_tokenizer
+
+__all__ = ["DTYPES", "calibration_forward", "load_config", "load_model", "parse_dtype"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,10 +40,11 @@ def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     quant: str = "none",
 ) -> LlamaForCausalLM:
-    """Build the model from a local HF folder; `quant` (see `quant.formats.MODES`) quantizes its linears (CPU).
+    """Build the model from a local folder; `quant` (see `quant.formats.MODES`) quantizes its linears (CPU).
 
-    A quantized model is cached after the first load (see `quant.cache_file`), so later loads read the
-    quantized bytes directly.
+    A quantized model is built layer by layer from the checkpoint file (`quantized_stream`) and
+    cached after the first load (see `quant.cache_file`), so later loads read the quantized bytes
+    directly.
     """
     if quant != "none":
         return _load_quantized(Path(model_dir), dtype, device, quant)
@@ -57,30 +60,20 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
             model = LlamaForCausalLM(load_config(model_dir))
         model = _finish(load_quantized(model, path), device)
     else:
-        # Quantize from fp32: a bf16 copy would knock Q4_K weights off their 4-bit grid.
-        model = _load_dense(model_dir, torch.float32, device)
-        smooth = quant in MODES and MODES[quant].smooth
-        calibrate = calibration_forward(model, _calibration_ids(model_dir)) if smooth else None
-        quantize_model(model, quant, calibrate=calibrate)
-        _cast_dense(model, dtype)
+        # Quantize from float32 read tensor by tensor: a bf16 copy would knock Q4_K weights off
+        # their 4-bit grid, and a whole float32 model would be 4x the packed one.
+        start = time.perf_counter()
+        model, seconds = stream_quantized(
+            model_dir, load_config(model_dir), quant, dtype, lambda: _calibration_ids(model_dir)
+        )
+        written = time.perf_counter()
         save_quantized(model, path)
+        seconds["write"] = time.perf_counter() - written
+        phases = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items() if s)
+        print(f"specdec: quantized {model_dir.name} to {quant} in {time.perf_counter() - start:.0f} s "
+              f"({phases}); cached in {path.parent}", file=sys.stderr, flush=True)
     prepare_quantized(model)
     return model
-
-
-def calibration_forward(model: LlamaForCausalLM, token_ids: list[int]) -> Callable[[], None]:
-    """One forward of `model` over `token_ids` (as many as its positions allow), every row through
-    the LM head: what SmoothQuant measures activations on (`quant.smoothing`)."""
-
-    def forward() -> None:
-        ids = token_ids[: model.max_positions]
-        block = 16
-        runner = ModelRunner.build(model, block, None, num_blocks=(len(ids) + block - 1) // block + 1)
-        table = runner.new_table()
-        table.ensure_slots(len(ids))
-        runner.forward([Window(table, ids, len(ids))])
-
-    return forward
 
 
 def _calibration_ids(model_dir: Path) -> list[int]:
@@ -92,43 +85,23 @@ def _calibration_ids(model_dir: Path) -> list[int]:
         return [(i * 7919) % vocab for i in range(512)]
 
 
-def _cast_dense(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast every parameter outside the quantized linears (they keep their scales and bias)."""
-    for module in model.modules():
-        if linear_kind(module) != "dense":
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            setattr(module, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
-
-
 def _load_dense(model_dir: Path, dtype: torch.dtype, device) -> LlamaForCausalLM:
-    """Instantiate the model without initialising weights, then fill it from the safetensors files."""
+    """Instantiate the model without initialising weights, then fill it tensor by tensor from its
+    checkpoint (safetensors or GGUF: `checkpoint_reader`)."""
     config = load_config(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir} has no *.safetensors files")
     params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name not in params:
-                    if name == "lm_head.weight" and config.tie_word_embeddings:
-                        continue
-                    if "rotary_emb" in name:
-                        continue
-                    raise ValueError(f"unexpected weight {name!r} in {file.name}")
-                tensor = f.get_tensor(name).to(device=device, dtype=dtype)
-                _assign(model, name, torch.nn.Parameter(tensor, requires_grad=False))
-                loaded.add(name)
-    missing = set(params) - loaded
+    with open_checkpoint(model_dir) as reader:
+        unexpected = [n for n in reader.names() if n not in params and "rotary_emb" not in n
+                      and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+        if unexpected:
+            raise ValueError(f"unexpected weights in {model_dir}: {unexpected[:5]}")
+        for name, source in param_sources(reader, list(params), config).items():
+            tensor = reader.read(source).to(device=device, dtype=dtype)
+            _assign(model, name, torch.nn.Parameter(tensor, requires_grad=False))
     if config.tie_word_embeddings:
-        missing.discard("lm_head.weight")
         model.lm_head.weight = model.model.embed_tokens.weight
-    if missing:
-        raise ValueError(f"{model_dir} lacks weights: {sorted(missing)[:5]}...")
     return _finish(model, device)
 
 

@@ -2,9 +2,10 @@
 
 The cache file holds the whole state dict after quantization (the formats' tensors, the bf16
 embedding and norms) plus a manifest of which linear became which format (`formats.FORMATS`); it
-is keyed on the model folder's path, the sizes and modification times of its weight files, the
-mode and dtype, and the text of the sources that define the stored layout (`layout_key`), as the
-kernel builds are (`specdec.native`): a layout change cannot hand the kernel a stale file.
+is keyed on the model folder's path, the sizes and modification times of its weight files
+(safetensors, or the GGUF file a folder links to), the mode and dtype, and the text of the sources
+that define the stored layout (`layout_key`), as the kernel builds are (`specdec.native`): a
+layout change cannot hand the kernel a stale file.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def layout_key(sources: tuple[Path, ...] = LAYOUT_SOURCES) -> str:
 
 
 def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    # A GGUF folder's `model.gguf` is a link: stat() follows it to the file's size and mtime.
+    files = sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.gguf"))
     key = "|".join([layout_key(), str(Path(model_dir).resolve()), mode, str(dtype)]
                    + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -40,12 +40,32 @@ def quantize_model(
     quant = MODES[mode]
     if quant.needs_kernel:
         require_qgemm()  # fail before quantizing, with the reason
-    if getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.model.embed_tokens.weight:
-        model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False)
-        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone(), False)
+    untie_lm_head(model)
     if quant.smooth:
         smooth_model(model, calibrate)
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return quantize_linears(model, mode, progress=progress)
+
+
+def untie_lm_head(model: nn.Module) -> None:
+    """Give the LM head its own weight where it shares the embedding's: the head is quantized (and
+    smoothed), the embedding stays a dense lookup."""
+    if getattr(model, "lm_head", None) is not None and model.lm_head.weight is model.model.embed_tokens.weight:
+        weight = model.model.embed_tokens.weight
+        model.lm_head = nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=False,
+                                  device=weight.device)
+        model.lm_head.weight = nn.Parameter(weight.detach().clone(), False)
+
+
+def quantize_linears(
+    model: nn.Module, mode: str, prefix: str = "", progress: bool = False
+) -> dict[str, int]:
+    """Replace the `nn.Linear`s of `model` under `prefix` (a module name; "": all) by `mode`'s
+    format in place; returns how many linears took each format. One decoder layer at a time is
+    how the streaming loader (`target.quantized_stream`) calls it."""
+    quant = MODES[mode]
+    counts = {**{name: 0 for name in FORMATS}, "dense": 0}
+    targets = [(n, m) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and (not prefix or n == prefix or n.startswith(prefix + "."))]
     for name, linear in tqdm(targets, desc=f"quantizing to {mode} (once; cached)", unit="linear",
                              leave=False, disable=not progress):
         new = quant.from_linear(linear)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -146,7 +147,8 @@ def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Te
     w = weight.float().view(n, k // group_size, group_size)  # [n, G, g]
     lo, hi = w.amin(-1), w.amax(-1)  # [n, G]
     minmax_step = ((hi - lo) / 15).clamp(min=1e-12)
-    gaps = w.sort(-1).values.diff(dim=-1)  # [n, G, g-1]
+    # numpy sorts 32-element rows ~5x faster than torch on this CPU; a sort is exact either way
+    gaps = torch.from_numpy(np.sort(w.detach().numpy(), -1)).diff(dim=-1)  # [n, G, g-1]
     tiny = 1e-4 * minmax_step.unsqueeze(-1)
     grid_step = torch.where(gaps > tiny, gaps, torch.inf).amin(-1)  # [n, G]; inf: constant group
     grid_step = torch.where(torch.isinf(grid_step), minmax_step, grid_step)

@@ -23,7 +23,8 @@ calibration text matters: the same 400 tokens scored KL 0.012 with an earlier, s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -40,10 +41,10 @@ def calibration_text() -> str:
     return CALIBRATION_FILE.read_text(encoding="utf-8")
 
 
-@torch.inference_mode()
-def activation_absmax(model: nn.Module, calibrate: Callable[[], None]) -> dict[str, torch.Tensor]:
-    """Per-input-channel max |x| `[K]` of every `nn.Linear`, over what `calibrate()` runs through
-    the model (the loader's one forward over the calibration text, every row to the LM head)."""
+@contextlib.contextmanager
+def recording_absmax(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """While open, every `nn.Linear` of `model` records its per-input-channel max |x| `[K]` into
+    the dict yielded, under the linear's name (a layer's entries are complete once it has run)."""
     stats: dict[str, torch.Tensor] = {}
 
     def hook(name: str):
@@ -54,10 +55,18 @@ def activation_absmax(model: nn.Module, calibrate: Callable[[], None]) -> dict[s
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
-        calibrate()
+        yield stats
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.inference_mode()
+def activation_absmax(model: nn.Module, calibrate: Callable[[], None]) -> dict[str, torch.Tensor]:
+    """Per-input-channel max |x| `[K]` of every `nn.Linear`, over what `calibrate()` runs through
+    the model (the loader's one forward over the calibration text, every row to the LM head)."""
+    with recording_absmax(model) as stats:
+        calibrate()
     return stats
 
 
@@ -80,28 +89,42 @@ def smooth_model(model: nn.Module, calibrate: Callable[[], None] | None, alpha: 
     if model.lm_head.weight is model.model.embed_tokens.weight:
         raise ValueError("untie the LM head from the embedding before smoothing it")
     stats = activation_absmax(model, calibrate)
+    for i in range(len(model.model.layers)):
+        smooth_layer(model, i, stats, alpha)
+    smooth_head(model, stats, alpha)
+
+
+@torch.no_grad()
+def smooth_layer(model: nn.Module, i: int, stats: dict[str, torch.Tensor], alpha: float = ALPHA) -> None:
+    """Fold SmoothQuant into decoder layer `i` from its linears' input maxima `stats` (named as
+    in `model`); touches nothing outside the layer, so layers can be smoothed one at a time."""
     cfg = model.config
     group = cfg.num_heads // cfg.num_kv_heads
-    for i, layer in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}."
-        attn, mlp = layer.self_attn, layer.mlp
-        for norm, linears, name in (
-            (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj"),
-            (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj"),
-        ):
-            s = _factors(linears, stats[prefix + name], alpha)
-            _scale_(norm.weight, 1 / s)
-            for lin in linears:
-                _scale_(lin.weight, s)
-        s = _factors([mlp.down_proj], stats[prefix + "mlp.down_proj"], alpha)
-        _scale_(mlp.up_proj.weight, (1 / s)[:, None])
-        _scale_(mlp.down_proj.weight, s)
-        s = _factors([attn.o_proj], stats[prefix + "self_attn.o_proj"], alpha)
-        s = s.view(cfg.num_kv_heads, group, cfg.head_dim).amax(1)  # [Hkv, D]: one per v channel
-        _scale_(attn.v_proj.weight, (1 / s).reshape(-1, 1))
-        if attn.v_proj.bias is not None:
-            _scale_(attn.v_proj.bias, (1 / s).reshape(-1))
-        _scale_(attn.o_proj.weight, s[:, None, :].expand(-1, group, -1).reshape(-1))
+    layer = model.model.layers[i]
+    prefix = f"model.layers.{i}."
+    attn, mlp = layer.self_attn, layer.mlp
+    for norm, linears, name in (
+        (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj"),
+        (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj"),
+    ):
+        s = _factors(linears, stats[prefix + name], alpha)
+        _scale_(norm.weight, 1 / s)
+        for lin in linears:
+            _scale_(lin.weight, s)
+    s = _factors([mlp.down_proj], stats[prefix + "mlp.down_proj"], alpha)
+    _scale_(mlp.up_proj.weight, (1 / s)[:, None])
+    _scale_(mlp.down_proj.weight, s)
+    s = _factors([attn.o_proj], stats[prefix + "self_attn.o_proj"], alpha)
+    s = s.view(cfg.num_kv_heads, group, cfg.head_dim).amax(1)  # [Hkv, D]: one per v channel
+    _scale_(attn.v_proj.weight, (1 / s).reshape(-1, 1))
+    if attn.v_proj.bias is not None:
+        _scale_(attn.v_proj.bias, (1 / s).reshape(-1))
+    _scale_(attn.o_proj.weight, s[:, None, :].expand(-1, group, -1).reshape(-1))
+
+
+@torch.no_grad()
+def smooth_head(model: nn.Module, stats: dict[str, torch.Tensor], alpha: float = ALPHA) -> None:
+    """Fold SmoothQuant into the LM head and the final norm (`stats["lm_head"]`: its input maxima)."""
     s = _factors([model.lm_head], stats["lm_head"], alpha)
     _scale_(model.model.norm.weight, 1 / s)
     _scale_(model.lm_head.weight, s)

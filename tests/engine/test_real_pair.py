@@ -26,7 +26,9 @@ def prompt_and_reference():
 
     folder = resolve_model("default-target", progress=False)
     ids = apply_chat_template(load_tokenizer(folder), PROMPT)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    gguf = folder / "model.gguf"  # a GGUF's folder holds its config and tokenizer, and links the weights
+    weights = {"gguf_file": gguf.name} if gguf.exists() else {}
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **weights).eval()
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)
     reference = out[0, len(ids):].tolist()

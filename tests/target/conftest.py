@@ -59,3 +59,18 @@ def tiny_tokenizer():
 def plain_tokenizer():
     """The same tokenizer without a chat template (a base model's)."""
     return build_tiny_tokenizer(chat_template=None)
+
+
+def add_gguf_tokenizer(writer, tokenizer) -> None:
+    """Write `tokenizer` (a byte-level BPE) into a `gguf.GGUFWriter` as llama.cpp does ("gpt2")."""
+    import json
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    writer.add_token_types([3 if t in tokenizer.all_special_tokens else 1 for t, _ in vocab])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_chat_template(tokenizer.chat_template)

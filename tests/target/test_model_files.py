@@ -15,7 +15,7 @@ from specdec.target.default_pair import INSTALL_COMMAND, ModelsNotInstalledError
 from specdec.target.model_files import resolve_model
 from specdec.target.tokenizer import load_tokenizer
 
-from .conftest import build_tiny_tokenizer
+from .conftest import add_gguf_tokenizer, build_tiny_tokenizer
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2
 
@@ -69,15 +69,7 @@ def _write_gguf(path, model, tokenizer, quantize_ffn: bool = False) -> dict[str,
                        ("head_count_kv", NUM_KV_HEADS), ("rope_freq_base", 10000.0),
                        ("layer_norm_rms_eps", 1e-6)]:
         getattr(writer, f"add_{add}")(value)
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([token for token, _ in vocab])
-    writer.add_token_types([3 if t in tokenizer.all_special_tokens else 1 for t, _ in vocab])
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
-    writer.add_bos_token_id(tokenizer.bos_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
+    add_gguf_tokenizer(writer, tokenizer)
     expected = {}
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
@@ -107,12 +99,10 @@ def _write_gguf(path, model, tokenizer, quantize_ffn: bool = False) -> dict[str,
 
 
 def _load_folder(folder) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from specdec.target.checkpoint_reader import open_checkpoint
 
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
+    with open_checkpoint(folder) as reader:
+        return {name: reader.read(name) for name in reader.names()}
 
 
 # ---- local folders ---------------------------------------------------------------------------
@@ -162,7 +152,7 @@ def test_hub_failure_is_a_clear_error(monkeypatch):
         resolve_model("Qwen/Qwen2.5-0.5B")
 
 
-# ---- GGUF conversion -------------------------------------------------------------------------
+# ---- GGUF folders -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("tie, quantize_ffn", [(False, False), (True, True)])
@@ -194,7 +184,7 @@ def test_gguf_is_converted_once_and_warm_resolve_is_fast(tmp_path, monkeypatch):
     def must_not_run(*args):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(model_files, "_convert_into", must_not_run)
+    monkeypatch.setattr(model_files, "_describe_into", must_not_run)
     start = time.perf_counter()
     assert resolve_model(str(tmp_path / "tiny.gguf"), progress=False) == first
     assert time.perf_counter() - start < 0.5
@@ -207,11 +197,11 @@ def test_interrupted_conversion_leaves_no_cache_entry(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("huggingface_hub.save_torch_state_dict", interrupted)
+    monkeypatch.setattr(model_files, "_make_readable", interrupted)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
-    converted = default_pair.cache_dir() / "converted"
-    assert list(converted.iterdir()) == []  # neither a final folder nor a temporary one
+    models = default_pair.cache_dir() / "models"
+    assert list(models.iterdir()) == []  # neither a final folder nor a temporary one
 
 
 def test_unsupported_architecture_fails_before_dequantizing(tmp_path, monkeypatch):
@@ -222,7 +212,20 @@ def test_unsupported_architecture_fails_before_dequantizing(tmp_path, monkeypatc
     monkeypatch.setattr(model_files, "SUPPORTED_ARCHITECTURES", ("Qwen2ForCausalLM",))
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
         resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
-    assert list((default_pair.cache_dir() / "converted").iterdir()) == []
+    assert list((default_pair.cache_dir() / "models").iterdir()) == []
+
+
+def test_gguf_folder_keeps_no_weights_and_removes_an_old_float32_conversion(tmp_path):
+    tokenizer = build_tiny_tokenizer()
+    _write_gguf(tmp_path / "tiny.gguf", _tiny_llama(tokenizer), tokenizer)
+    legacy = default_pair.cache_dir() / "converted" / model_files.gguf_model_dir(tmp_path / "tiny.gguf").name
+    legacy.mkdir(parents=True)
+    (legacy / "model.safetensors").write_bytes(b"0" * 1000)
+    folder = resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
+    assert not legacy.exists() and not legacy.parent.exists()
+    assert not list(folder.glob("*.safetensors"))
+    assert (folder / "model.gguf").resolve() == (tmp_path / "tiny.gguf").resolve()
+    assert sum(f.stat().st_size for f in folder.iterdir() if not f.is_symlink()) < 100_000
 
 
 # ---- the embedded default pair ---------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""A model's weights, one tensor at a time, by Hugging Face parameter name, from safetensors or GGUF.
+
+The loaders (`model_weights`, `quantized_stream`) never hold more of a checkpoint than the tensors
+they are converting: `read(name)` reads one tensor from the mapped file.
+
+- a folder of `*.safetensors`: `safe_open` on each file;
+- a folder whose weights are a GGUF file (`model_files` puts `model.gguf` beside config.json and
+  the tokenizer): GGUF names map to HF names as transformers maps them
+  (`get_gguf_hf_weights_map`), and each tensor goes through transformers' per-architecture
+  processor (llama.cpp permutes Llama's q/k rows: undone), so values equal transformers' own
+  GGUF loading.
+
+    >>> with open_checkpoint(folder) as reader:        # doctest: +SKIP
+    ...     reader.read("model.layers.0.self_attn.q_proj.weight").shape
+    torch.Size([1536, 1536])
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from specdec.target.gguf_file import GGUFFile
+
+GGUF_NAME = "model.gguf"  # the weights of a folder made from a GGUF file (a link to it)
+
+
+class CheckpointReader(Protocol):
+    def names(self) -> list[str]:
+        """Every tensor of the checkpoint, by Hugging Face parameter name."""
+
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor `name` (float32 from GGUF blocks; the stored dtype from safetensors)."""
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The files that hold a folder's weights (what a cache of its conversion is keyed on)."""
+    gguf = Path(folder) / GGUF_NAME
+    return [gguf] if gguf.exists() else sorted(Path(folder).glob("*.safetensors"))
+
+
+@contextlib.contextmanager
+def open_checkpoint(folder: Path):
+    """A `CheckpointReader` over the weights of `folder` (see the module docstring)."""
+    folder = Path(folder)
+    if (folder / GGUF_NAME).exists():
+        yield GGUFCheckpoint(folder / GGUF_NAME, folder)
+        return
+    files = weight_files(folder)
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors files (nor a {GGUF_NAME})")
+    with contextlib.ExitStack() as stack:
+        yield SafetensorsCheckpoint([stack.enter_context(safe_open(str(f), "pt", "cpu")) for f in files])
+
+
+class SafetensorsCheckpoint:
+    def __init__(self, handles: list) -> None:
+        self._where = {name: h for h in handles for name in h.keys()}
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+
+class GGUFCheckpoint:
+    """The tensors of a GGUF file under their Hugging Face names (config.json of `folder`)."""
+
+    def __init__(self, path: Path, folder: Path) -> None:
+        from transformers import AutoConfig
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        self.file = GGUFFile.open(path.resolve())
+        hf_config = AutoConfig.from_pretrained(str(folder))
+        architecture = self.file.metadata["general.architecture"]
+        self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
+        to_hf = gguf_to_hf_names(hf_config, self._processor)
+        self._gguf_name = {to_hf[g]: g for g in self.file.tensors if g in to_hf}
+
+    def names(self) -> list[str]:
+        return list(self._gguf_name)
+
+    def read(self, name: str) -> torch.Tensor:
+        gguf_name = self._gguf_name[name]
+        weights = self._processor.process(weights=self.file.dequantize(gguf_name), name=gguf_name).weights
+        if not (weights.flags.writeable and weights.flags.c_contiguous):  # a view of the mapped file
+            weights = np.array(weights)
+        return torch.from_numpy(weights).float()
+
+
+def gguf_to_hf_names(hf_config, processor) -> dict[str, str]:
+    """`{gguf name: HF name}` for the model `hf_config` describes (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(hf_config)
+    return get_gguf_hf_weights_map(skeleton, processor)
+
+
+def param_sources(reader: CheckpointReader, param_names: list[str], config) -> dict[str, str]:
+    """`{parameter name: checkpoint tensor name}` for every parameter of a model (`config`: its
+    `ModelConfig`); a tied LM head the checkpoint leaves out reads the embedding. ValueError
+    naming what is missing."""
+    available = set(reader.names())
+    sources = {name: name for name in param_names if name in available}
+    if "lm_head.weight" in param_names and "lm_head.weight" not in sources and config.tie_word_embeddings:
+        sources["lm_head.weight"] = "model.embed_tokens.weight"
+    missing = sorted(set(param_names) - set(sources))
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} weights of the model, e.g. {missing[:3]}")
+    return sources

@@ -1,0 +1,185 @@
+"""Quantize a model straight from its checkpoint file, one decoder layer at a time.
+
+The model is built on the meta device; each layer's tensors are read (float32, one at a time, from
+the mapped GGUF or safetensors: `checkpoint_reader`), converted to the format the layer runs in
+(`quant.convert.quantize_linears`), and their float copies dropped before the next layer is read.
+Nothing dense is written to disk and the memory peak is the packed model plus one float32 layer
+(plus the float32 embedding until its rows are looked up, and the float32 LM head at the end).
+
+A mode that smooths (`"w8a8"`, SmoothQuant) needs the activations of a float forward over the
+calibration text. That forward drives the loading: a hook before layer i reads it, a hook after it
+(its linears have then seen their inputs) smooths and converts it, so layer i is calibrated on
+exactly the activations the former whole-model float32 forward gave it and the weights come out
+bitwise the same. The LM head's input is recorded, its [T, V] output never computed.
+
+    >>> model = stream_quantized(folder, config, "w8a8", torch.bfloat16, calibration_ids)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from specdec.target.checkpoint_reader import CheckpointReader, open_checkpoint, param_sources
+from specdec.target.config import ModelConfig
+from specdec.target.model import LlamaForCausalLM
+from specdec.target.quant.convert import quantize_linears, untie_lm_head
+from specdec.target.quant.formats import MODES, linear_kind
+from specdec.target.quant.qgemm import require_qgemm
+from specdec.target.quant.smoothing import recording_absmax, smooth_head, smooth_layer
+from specdec.target.runner import ModelRunner, Window
+
+
+def stream_quantized(
+    model_dir: Path, config: ModelConfig, mode: str, dtype: torch.dtype,
+    calibration_ids: Callable[[], list[int]], progress: bool = True,
+) -> tuple[LlamaForCausalLM, dict[str, float]]:
+    """The model of `model_dir` with its linears in `mode`'s format and the rest in `dtype`, and
+    the seconds spent per phase (`read`: read and dequantize, `quantize`, `calibrate`: the float
+    forward of a smoothing mode, without the reading and converting done inside it)."""
+    if mode not in MODES:
+        raise ValueError(f"quantization must be one of {sorted(MODES)}, got {mode!r}")
+    quant = MODES[mode]
+    if quant.needs_kernel:
+        require_qgemm()  # fail before reading, with the reason
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.rotary = type(model.rotary)(config.hf_config, config.head_dim, model.max_positions)
+    model.eval()
+    untie_lm_head(model)  # on meta: the head is read from the file like any other tensor
+    with open_checkpoint(model_dir) as reader:
+        layers = _LayerLoader(model, reader, mode, dtype)
+        bar = tqdm(total=config.num_layers + 1, desc=f"quantizing to {mode} (once; cached)", unit="layer",
+                   leave=False, disable=not progress)
+        with bar:
+            if quant.smooth:
+                layers.calibrate_and_convert(calibration_ids(), bar)
+            else:
+                layers.convert_in_order(bar)
+    return model, layers.seconds
+
+
+class _LayerLoader:
+    """Reads, converts and casts the parts of one model (`fill`, `convert`), timing each phase."""
+
+    def __init__(self, model: LlamaForCausalLM, reader: CheckpointReader, mode: str, dtype: torch.dtype) -> None:
+        self.model, self.reader, self.mode, self.dtype = model, reader, mode, dtype
+        self.sources = param_sources(reader, [n for n, _ in model.named_parameters()], model.config)
+        self.seconds = {"read": 0.0, "quantize": 0.0, "calibrate": 0.0}
+
+    def fill(self, prefix: str) -> None:
+        """Read the parameters under module `prefix` (float32)."""
+        start = time.perf_counter()
+        with _plain_tensors():
+            for name, param in list(self.model.named_parameters()):
+                if param.is_meta and (name == prefix or name.startswith(prefix + ".")):
+                    tensor = self.reader.read(self.sources[name]).to(torch.float32)
+                    module, _, attr = name.rpartition(".")
+                    setattr(self.model.get_submodule(module), attr, nn.Parameter(tensor, requires_grad=False))
+        self.seconds["read"] += time.perf_counter() - start
+
+    def convert(self, prefix: str) -> None:
+        """Quantize the linears under `prefix`, cast its other parameters to the model dtype."""
+        start = time.perf_counter()
+        with _plain_tensors():
+            quantize_linears(self.model, self.mode, prefix)
+            cast_dense(self.model.get_submodule(prefix), self.dtype)
+        self.seconds["quantize"] += time.perf_counter() - start
+
+    def convert_in_order(self, bar: tqdm) -> None:
+        """Without calibration: every part in turn."""
+        for prefix in ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(len(self.model.model.layers))]:
+            self.fill(prefix)
+            self.convert(prefix)
+            bar.update(prefix != "model.embed_tokens")
+        self._convert_head()
+        bar.update()
+
+    def calibrate_and_convert(self, token_ids: list[int], bar: tqdm) -> None:
+        """SmoothQuant: one float forward over `token_ids` reads and converts the layers in turn."""
+        model = self.model
+        self.fill("model.embed_tokens")
+        self.fill("model.norm")
+        head, model.lm_head = model.lm_head, _RecordedHead(model.lm_head.in_features)
+        hooks = []
+        start, inside = time.perf_counter(), self.seconds["read"] + self.seconds["quantize"]
+        with recording_absmax(model) as stats:
+
+            def finish_layer(i: int) -> None:
+                with _plain_tensors():
+                    smooth_layer(model, i, stats)
+                self.convert(f"model.layers.{i}")
+                bar.update()
+
+            hooks.append(model.model.embed_tokens.register_forward_hook(lambda *_: self.convert("model.embed_tokens")))
+            for i, layer in enumerate(model.model.layers):
+                hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: self.fill(f"model.layers.{i}")))
+                hooks.append(layer.register_forward_hook(lambda *_, i=i: finish_layer(i)))
+            try:
+                calibration_forward(model, token_ids)()
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        inside = self.seconds["read"] + self.seconds["quantize"] - inside  # the hooks' share
+        self.seconds["calibrate"] += time.perf_counter() - start - inside
+        model.lm_head = head
+        self.fill("lm_head")
+        with _plain_tensors():
+            smooth_head(model, stats)
+        self._convert_head()
+        bar.update()
+
+    def _convert_head(self) -> None:
+        self.fill("model.norm")
+        self.fill("lm_head")
+        self.convert("lm_head")
+        self.convert("model.norm")
+
+
+class _RecordedHead(nn.Linear):
+    """Stands in for the LM head in the calibration forward: `recording_absmax` records its input
+    (all it needs of the head), and the [T, V] logits nobody reads are never computed."""
+
+    def __init__(self, in_features: int) -> None:
+        super().__init__(in_features, 1, bias=False, device="meta")  # its weight is never read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], 0)
+
+
+@contextlib.contextmanager
+def _plain_tensors():
+    """Parameters made inside the calibration forward (under inference mode) as ordinary tensors,
+    like those of a model loaded outside it."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+def calibration_forward(model: LlamaForCausalLM, token_ids: list[int]) -> Callable[[], None]:
+    """One forward of `model` over `token_ids` (as many as its positions allow), every row through
+    the LM head: what SmoothQuant measures activations on (`quant.smoothing`)."""
+
+    def forward() -> None:
+        ids = token_ids[: model.max_positions]
+        block = 16
+        runner = ModelRunner.build(model, block, None, num_blocks=(len(ids) + block - 1) // block + 1)
+        table = runner.new_table()
+        table.ensure_slots(len(ids))
+        runner.forward([Window(table, ids, len(ids))])
+
+    return forward
+
+
+def cast_dense(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast every parameter outside the quantized linears (they keep their scales and bias)."""
+    for sub in module.modules():
+        if linear_kind(sub) != "dense":
+            continue
+        for name, param in sub.named_parameters(recurse=False):
+            setattr(sub, name, torch.nn.Parameter(param.detach().to(dtype), requires_grad=False))
