@@ -11,16 +11,34 @@ from typing import Protocol
 import torch
 
 from specdec.cache import BlockPool, BlockTable
+from specdec.verify.controls import LogitControls, apply_controls
+from specdec.verify.sampling import warp_probs
 
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters of one step (`[B]` each) and the rows' generators."""
+    """Per-row sampling parameters of one step (`[B]` each), the rows' generators and their logit
+    controls (penalties, logit_bias, min_tokens; None: no row has any)."""
 
     temperature: torch.Tensor  # [B] float32
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32, 1.0 = off
     generators: list[torch.Generator | None]
+    min_p: torch.Tensor | None = None  # [B] float32, 0 = off; None: no row uses min-p
+    controls: list[LogitControls | None] | None = None  # [B]
+
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B, V] probabilities
+        """`warp_probs` of logits whose logit controls are already applied (`controlled`)."""
+        return warp_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
+
+    def controlled(
+        self, logits: torch.Tensor, owners: list[int], extra: list[list[int]]
+    ) -> torch.Tensor:  # [R, V]
+        """`logits [R, V]`, row r belonging to sequence `owners[r]` and preceded by its tokens
+        plus `extra[r]` (the drafts before it), with each row's logit controls applied."""
+        if self.controls is None:
+            return logits
+        return apply_controls(logits, [self.controls[b] for b in owners], extra)
 
     @property
     def all_greedy(self) -> bool:
@@ -30,7 +48,9 @@ class SamplingTensors:
     def select(self, rows: list[int]) -> "SamplingTensors":
         idx = torch.tensor(rows, dtype=torch.long, device=self.temperature.device)
         return SamplingTensors(
-            self.temperature[idx], self.top_k[idx], self.top_p[idx], [self.generators[r] for r in rows]
+            self.temperature[idx], self.top_k[idx], self.top_p[idx], [self.generators[r] for r in rows],
+            None if self.min_p is None else self.min_p[idx],
+            None if self.controls is None else [self.controls[r] for r in rows],
         )
 
     def repeat(self, counts: list[int]) -> "SamplingTensors":
@@ -42,6 +62,8 @@ class SamplingTensors:
             self.top_k.repeat_interleave(reps),
             self.top_p.repeat_interleave(reps),
             gens,
+            None if self.min_p is None else self.min_p.repeat_interleave(reps),
+            None if self.controls is None else [c for c, n in zip(self.controls, counts) for _ in range(n)],
         )
 
 

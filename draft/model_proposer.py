@@ -7,7 +7,7 @@ import torch
 from specdec.cache import BlockPool
 from specdec.draft.base import DraftOutput, DraftSequence, SamplingTensors, StepPlan, StepTimings
 from specdec.target.runner import ModelRunner, Window
-from specdec.verify import sample, warp_probs
+from specdec.verify import sample
 
 
 class DraftModelProposer:
@@ -103,13 +103,17 @@ class DraftModelProposer:
         windows = [self._catch_up(seqs[i]) for i in rows]
         if k > 0:
             windows += self._take_fill()  # no logits: the first forward's rows are the catch-ups
+        drafted_ids: list[list[int]] = [[] for _ in range(b)]  # host copies, for the logit controls
         for j in range(k):
             logits = self._forward(windows)  # [A, V]
+            # Each row's penalties see its own prefix: the sequence's tokens and its drafts so far.
+            logits = sampling.controlled(logits, rows, [drafted_ids[i] for i in rows])
             step_sampling = sampling.select(rows)
-            step_probs = warp_probs(
-                logits, step_sampling.temperature, step_sampling.top_k, step_sampling.top_p
-            )  # [A, V]
+            step_probs = step_sampling.warp(logits)  # [A, V]
             step_tokens = sample(step_probs, step_sampling.generators, step_sampling.all_greedy)  # [A]
+            if sampling.controls is not None:
+                for i, token in zip(rows, step_tokens.tolist()):
+                    drafted_ids[i].append(token)
             if probs is None:
                 probs = torch.zeros(b, k, step_probs.shape[-1], device=device)
             idx = torch.tensor(rows, dtype=torch.long, device=device)

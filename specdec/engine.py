@@ -18,11 +18,12 @@ from specdec.draft import (
 from specdec.planner import StepPlanner
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ChunkBudget, Scheduler
-from specdec.sequence import RequestOutput, Sequence, StepDelta, TokenOrigin
+from specdec.sequence import RequestOutput, Sequence, StepDelta, TokenLogprobs, TokenOrigin
 from specdec.stopping import StopChecker, append_until_stop
 from specdec.target.runner import ModelRunner
 from specdec.verifier import Verifier
 from specdec.verify import AcceptanceStats
+from specdec.verify.controls import LogitControls
 
 
 class StepError(RuntimeError):
@@ -152,6 +153,9 @@ class Engine:
         vocab = self.target.model.config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} token ids must lie in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens; this engine fits at most "
@@ -230,12 +234,22 @@ class Engine:
         logits = self.verifier.forward(plan, draft)  # [sum(n_b + 1), V]
         if not seqs:
             return []  # prefill chunks only
-        out = self.verifier.accept(logits, draft, sampling)
+        out, controlled = self.verifier.accept(logits, draft, sampling)
         token_rows, accepted = out.token_ids.tolist(), out.num_accepted.tolist()  # the one host sync
         for b, s in enumerate(seqs):
             if draft.feeds_estimate[b]:  # the adaptive estimate is of the draft model's acceptance
                 s.acceptance.update(draft.num_draft[b], accepted[b])
-        return [self._commit(s, token_rows[b], accepted[b], draft.num_draft[b]) for b, s in enumerate(seqs)]
+        logprobs: list = [None] * len(seqs)
+        if any(s.params.logprobs is not None for s in seqs):
+            logprobs = self.verifier.logprobs(
+                controlled, [n + 1 for n in draft.num_draft],
+                [row[: accepted[b] + 1] for b, row in enumerate(token_rows)],
+                [s.params.temperature for s in seqs], [s.params.logprobs for s in seqs],
+            )
+        return [
+            self._commit(s, token_rows[b], accepted[b], draft.num_draft[b], logprobs[b])
+            for b, s in enumerate(seqs)
+        ]
 
     def _propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
         if self.proposer is None:
@@ -263,14 +277,31 @@ class Engine:
         # Kept on the host: warp_probs then skips work no row needs, without a device sync.
         p = [s.params for s in seqs]
         dev = "cpu"
+        controls = [self._controls(s) for s in seqs]
         return SamplingTensors(
             torch.tensor([x.temperature for x in p], dtype=torch.float32, device=dev),
             torch.tensor([x.top_k for x in p], dtype=torch.long, device=dev),
             torch.tensor([x.top_p for x in p], dtype=torch.float32, device=dev),
             [s.generator for s in seqs],
+            torch.tensor([x.min_p for x in p], dtype=torch.float32, device=dev) if any(x.min_p for x in p) else None,
+            controls if any(c is not None for c in controls) else None,
         )
 
-    def _commit(self, seq: Sequence, row: list[int], num_accepted: int, num_draft: int) -> StepDelta:
+    def _controls(self, seq: Sequence) -> LogitControls | None:
+        """The sequence's logit controls over its tokens so far (None: it has none)."""
+        p = seq.params
+        if not p.has_logit_controls:
+            return None
+        stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        return LogitControls(
+            seq.token_ids[seq.prompt_len :], seq.token_ids[: seq.prompt_len], p.presence_penalty,
+            p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens, stop_ids,
+        )
+
+    def _commit(
+        self, seq: Sequence, row: list[int], num_accepted: int, num_draft: int,
+        logprobs: list[TokenLogprobs] | None = None,
+    ) -> StepDelta:
         """Append accepted (+1) tokens up to a stop, roll both caches back, finish if done."""
         new = row[: num_accepted + 1]
         last = TokenOrigin.TARGET if num_draft == 0 else (
@@ -282,6 +313,9 @@ class Engine:
             self.stats.update(num_draft, num_accepted)
         emitted, pieces, reason = append_until_stop(seq, new, self.eos_token_ids, self.max_model_len)
         text = "".join(pieces)
+        if logprobs is not None:
+            logprobs = logprobs[: len(emitted)]  # the emitted tokens are a prefix of `new`
+            seq.logprobs = (seq.logprobs or []) + logprobs
         for table in (seq.target_table, seq.draft_table):
             if table is not None:
                 table.truncate(seq.num_tokens - 1)
@@ -292,7 +326,7 @@ class Engine:
         return StepDelta(
             seq.request_id, emitted, origins[: len(emitted)], text, num_draft, num_accepted,
             reason is not None, reason, pieces, seq.num_cached_tokens or 0,
-            seq.stats if reason is not None else None,
+            seq.stats if reason is not None else None, logprobs,
         )
 
     # ---- convenience ---------------------------------------------------------------------------
@@ -335,6 +369,7 @@ class Engine:
         return RequestOutput(
             seq.request_id, seq.token_ids[: seq.prompt_len], ids,
             seq.detokenizer.text, seq.finish_reason, seq.stats, seq.num_cached_tokens or 0,
+            seq.logprobs if seq.params.logprobs is not None else None,
         )
 
     def release(self, request_id: str) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from specdec.draft import DraftOutput, SamplingTensors, StepPlan, StepTimings
-from specdec.sequence import Sequence
+from specdec.sequence import Sequence, TokenLogprobs
 from specdec.target.runner import ModelRunner, Window
-from specdec.verify import VerifyOutput, rejection_sample, warp_probs
+from specdec.verify import VerifyOutput, rejection_sample
 
 
 class Verifier:
@@ -39,15 +39,61 @@ class Verifier:
         return logits
 
     @staticmethod
-    def accept(logits: torch.Tensor, draft: DraftOutput, sampling: SamplingTensors) -> VerifyOutput:
-        """Rejection sampling of each row's drafts against the target's warped probabilities."""
+    def accept(
+        logits: torch.Tensor, draft: DraftOutput, sampling: SamplingTensors
+    ) -> tuple[VerifyOutput, torch.Tensor]:
+        """Rejection sampling of each row's drafts against the target's warped probabilities.
+        Also returns the logits with each row's logit controls applied along its own prefix
+        (row j of sequence b after its drafts d_1..d_j), which `logprobs` reads."""
         counts = [n + 1 for n in draft.num_draft]
-        rows = sampling.repeat(counts)
-        target_probs = _pad_rows(warp_probs(logits, rows.temperature, rows.top_k, rows.top_p), counts)
-        return rejection_sample(
+        if sampling.controls is not None:
+            drafts = draft.token_ids.tolist()  # [B, k] on the host (penalties count the drafts)
+            owners = [b for b, c in enumerate(counts) for _ in range(c)]
+            extra = [drafts[b][:j] for b, c in enumerate(counts) for j in range(c)]
+            logits = sampling.controlled(logits, owners, extra)
+        target_probs = _pad_rows(sampling.repeat(counts).warp(logits), counts)  # [B, k+1, V]
+        out = rejection_sample(
             draft.token_ids, torch.tensor(draft.num_draft), draft.probs, target_probs,  # [B, k], [B, k+1, V]
             sampling.generators, greedy=sampling.all_greedy,
         )
+        return out, logits
+
+    @staticmethod
+    def logprobs(
+        logits: torch.Tensor,  # [sum(n_b + 1), V] controlled logits of the step's rows
+        counts: list[int],  # [B] rows per sequence (n_b + 1)
+        emitted: list[list[int]],  # [B] the tokens each sequence emitted, from its first row on
+        temperature: list[float],  # [B]
+        num_top: list[int | None],  # [B] alternatives wanted; None: no logprobs for this sequence
+    ) -> list[list[TokenLogprobs] | None]:
+        """Each emitted token's log-probability under the target's distribution at its row (after
+        the logit controls and the temperature, 1 for greedy rows; before min-p/top-k/top-p) and the
+        `num_top[b]` most likely alternatives. Accepted, recovered and bonus tokens alike: row j's
+        distribution is what the token at position j was verified or sampled against."""
+        starts = [sum(counts[:b]) for b in range(len(counts))]
+        wanted = [b for b, n in enumerate(num_top) if n is not None and emitted[b]]
+        result: list[list[TokenLogprobs] | None] = [None] * len(counts)
+        if not wanted:
+            return result
+        rows = [starts[b] + j for b in wanted for j in range(len(emitted[b]))]
+        temps = [temperature[b] if temperature[b] > 0 else 1.0 for b in wanted for _ in emitted[b]]
+        index = torch.tensor(rows, device=logits.device)
+        scaled = logits.index_select(0, index).float() / torch.tensor(temps, device=logits.device).unsqueeze(1)
+        logp = torch.log_softmax(scaled, dim=-1)  # [M, V]
+        tokens = torch.tensor([t for b in wanted for t in emitted[b]], device=logits.device)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()  # [M]
+        width = max(num_top[b] for b in wanted)
+        top_values, top_ids = logp.topk(width, dim=-1) if width else (logp[:, :0], logp[:, :0].long())
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        m = 0
+        for b in wanted:
+            entries = []
+            for token in emitted[b]:
+                n = num_top[b]
+                entries.append(TokenLogprobs(token, chosen[m], list(zip(top_ids[m][:n], top_values[m][:n]))))
+                m += 1
+            result[b] = entries
+        return result
 
     def _window(self, seq: Sequence, drafts: torch.Tensor) -> Window:
         table = seq.target_table

@@ -1,8 +1,8 @@
 """Logits -> probabilities (the one definition of the sampled distribution) and sampling.
 
 `warp_probs` is used for the draft and the target alike: speculative decoding is lossless only
-if `q` and `p` are warped by exactly the same rules. The order is the usual one (HF, vLLM):
-temperature, then top-k, then top-p, then renormalize. Both filters keep ties at their boundary,
+if `q` and `p` are warped by exactly the same rules. The order is vLLM's: temperature, then min-p,
+then top-k, then top-p, then renormalize (the logit controls come before, `verify.controls`). Both filters keep ties at their boundary,
 so the result depends only on the values in a row, never on how a sort orders equal logits.
 
 `sample` uses the exponential race: argmax(w / E) with E ~ Exp(1) i.i.d. picks index i with
@@ -25,13 +25,15 @@ def warp_probs(
     temperature: torch.Tensor,  # [R] float
     top_k: torch.Tensor,  # [R] int, <= 0 means off
     top_p: torch.Tensor,  # [R] float, >= 1 means off
+    min_p: torch.Tensor | None = None,  # [R] float, 0 means off
 ) -> torch.Tensor:  # [R, V] float32
     """Turn logits into the sampled distribution of each row.
 
-    Rows with `temperature == 0` are greedy: one-hot at the argmax of the raw logits (first index
-    on ties). Other rows: softmax(logits / temperature) restricted to the top-k logits and then to
-    the smallest set of most likely tokens whose mass reaches `top_p` (the top token is always
-    kept), renormalized.
+    Rows with `temperature == 0` are greedy: one-hot at the argmax of the logits (first index
+    on ties). Other rows: softmax(logits / temperature) without the tokens whose probability is
+    below `min_p` times the top token's, restricted to the top-k logits and then to the smallest
+    set of most likely tokens whose mass reaches `top_p` (the top token is always kept),
+    renormalized.
 
     Keep `temperature`, `top_k` and `top_p` on the CPU when you can (they are per-request
     settings): batches where no row filters, or no row is greedy, then skip that work without any
@@ -42,6 +44,8 @@ def warp_probs(
     [0, 0, 3/7, 4/7].
     """
     _check_rows(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    if min_p is not None:
+        _check_rows(logits, min_p=min_p)
     greedy = temperature <= 0  # [R]; SamplingParams rejects negative temperatures
     on_host = all(t.device.type == "cpu" for t in (temperature, top_k, top_p))
     any_greedy = bool(greedy.any()) if on_host else True
@@ -51,6 +55,10 @@ def warp_probs(
     temp = torch.where(greedy, torch.ones_like(temperature), temperature)  # [R]
     scaled = logits.float() / temp.to(logits.device, torch.float32).unsqueeze(1)  # [R, V]
     sampled = ~greedy
+    if min_p is not None and (not on_host or bool(((min_p > 0) & sampled).any())):
+        # p_i < min_p * p_max  <=>  scaled_i < scaled_max + log(min_p); log(0) = -inf masks nothing.
+        floor = scaled.amax(dim=-1, keepdim=True) + min_p.to(logits.device, torch.float32).log().unsqueeze(1)
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     use_k = bool(((top_k > 0) & sampled).any()) if on_host else True
     use_p = bool(((top_p < 1) & sampled).any()) if on_host else True
     if use_k or use_p:
