@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from specdec.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
@@ -155,6 +156,14 @@ def test_unknown_fields_are_refused_by_name(server):
             error = assert_error(httpx.post(server.url + path, json=make(**{field: 1}), timeout=30), 400, field,
                                  "unknown_parameter")
             assert field in error["message"]
+
+
+def test_the_openai_client_sees_the_unknown_field_named(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           extra_body={"guided_json": {"type": "object"}})
+    assert err.value.body["param"] == "guided_json" and err.value.body["code"] == "unknown_parameter"
 
 
 def test_message_name_and_tool_call_id_reach_the_template():
