@@ -12,7 +12,9 @@ import torch
 
 from specdec.sampling_params import SamplingParams
 from specdec.testing import from_hf, tiny_hf_model
+from specdec.draft import SamplingTensors
 from specdec.verify import warp_probs
+from specdec.verify.controls import LogitControls, apply_controls
 
 from .conftest import make_engine
 
@@ -20,15 +22,22 @@ V = 8
 PROMPT = [3, 5, 1]
 N = 4000
 TV_TOLERANCE = 0.05  # sampling noise for 64 outcomes at N=4000 is about 0.025
+# Penalties strong enough that a row which does not count the drafts before it is far off.
+CONTROLS = dict(frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=1.5, logit_bias={2: 1.0}, min_p=0.05)
 
 
 def _exact_joint(hf, params: SamplingParams) -> torch.Tensor:
     def dist(ids):
         with torch.no_grad():
             logits = hf(torch.tensor([ids])).logits[0, -1:]
+        controls = LogitControls(
+            ids[len(PROMPT) :], PROMPT, params.presence_penalty, params.frequency_penalty,
+            params.repetition_penalty, params.logit_bias,
+        )
+        logits = apply_controls(logits, [controls], [[]])
         one = lambda v, dt: torch.tensor([v], dtype=dt)  # noqa: E731
-        return warp_probs(logits, one(params.temperature, torch.float32),
-                          one(params.top_k, torch.long), one(params.top_p, torch.float32))[0]
+        return warp_probs(logits, one(params.temperature, torch.float32), one(params.top_k, torch.long),
+                          one(params.top_p, torch.float32), one(params.min_p, torch.float32))[0]
 
     p1 = dist(PROMPT)
     return torch.stack([p1[x] * dist(PROMPT + [x]) for x in range(V)])  # [V, V]
@@ -39,8 +48,9 @@ def _exact_joint(hf, params: SamplingParams) -> torch.Tensor:
     [
         SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
         SamplingParams(temperature=0.7, top_k=5, top_p=0.9, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, **CONTROLS),
     ],
-    ids=["t1.0", "t0.7-topk-topp"],
+    ids=["t1.0", "t0.7-topk-topp", "t1.0-penalties-bias-minp"],
 )
 def test_engine_output_distribution_is_the_targets(params):
     hf_target = tiny_hf_model("llama", seed=3, vocab_size=V)
@@ -57,6 +67,31 @@ def test_engine_output_distribution_is_the_targets(params):
     tv = 0.5 * (empirical - exact).abs().sum().item()
     assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
     assert 0.02 < engine.stats.acceptance_rate < 0.98  # drafts are both accepted and rejected
+
+
+def test_controls_that_ignore_the_drafts_before_a_row_are_caught(monkeypatch):
+    """Negative control for the penalized case: if every row's penalties counted only the
+    committed tokens (not the drafts before the row), the second token would come from an
+    unpenalized distribution whenever the first was an accepted draft. With a draft equal to the
+    target every first token is accepted, so repeats (x2 == x1), which the penalties make rare,
+    become far more frequent than the exact distribution allows (the standard error of that
+    frequency at N = 4000 is below 0.008)."""
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, **CONTROLS)
+    hf_target = tiny_hf_model("llama", seed=3, vocab_size=V)
+    exact_repeats = _exact_joint(hf_target, params).diagonal().sum().item()
+
+    def repeats() -> float:
+        target = from_hf(hf_target)
+        engine = make_engine(target, target, num_speculative_tokens=3, max_num_seqs=N, num_blocks=3 * N, block_size=4)
+        torch.manual_seed(0)
+        return sum(o.token_ids[0] == o.token_ids[1] for o in engine.generate([PROMPT] * N, params)) / N
+
+    assert abs(repeats() - exact_repeats) < 0.03
+    controlled = SamplingTensors.controlled
+    monkeypatch.setattr(SamplingTensors, "controlled", lambda self, logits, owners, extra: controlled(
+        self, logits, owners, [[] for _ in extra]))
+    wrong = repeats()
+    assert wrong - exact_repeats > 0.06, (wrong, exact_repeats)
 
 
 def test_hybrid_proposer_output_distribution_is_the_targets():
