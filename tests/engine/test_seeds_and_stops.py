@@ -21,13 +21,19 @@ def _run_alone_and_batched(engine_factory, prompt, params, others):
     return alone, tokens
 
 
+CONTROLS = dict(frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.2, logit_bias={12: 1.5}, min_p=0.02,
+                min_tokens=3)
+
+
+@pytest.mark.parametrize("controls", [False, True], ids=["plain", "controls"])
 @pytest.mark.parametrize("proposer", ["draft", "ngram", "none"])
-def test_seeded_request_same_alone_and_batched(pair, proposer):
+def test_seeded_request_same_alone_and_batched(pair, proposer, controls):
     target, draft = pair
     factory = lambda: make_engine(  # noqa: E731
         target, draft if proposer == "draft" else None, proposer=proposer, num_speculative_tokens=3
     )
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True,
+                            **(CONTROLS if controls else {}))
     alone, batched = _run_alone_and_batched(factory, PROMPTS[0], params, PROMPTS[1:])
     assert alone == batched
     again, _ = _run_alone_and_batched(factory, PROMPTS[0], params, PROMPTS[2:])
