@@ -290,12 +290,12 @@ class Engine:
     def _controls(self, seq: Sequence) -> LogitControls | None:
         """The sequence's logit controls over its tokens so far (None: it has none)."""
         p = seq.params
-        if not p.has_logit_controls:
+        if not p.has_logit_controls and seq.constraint is None:
             return None
         stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         return LogitControls(
             seq.token_ids[seq.prompt_len :], seq.token_ids[: seq.prompt_len], p.presence_penalty,
-            p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens, stop_ids,
+            p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens, stop_ids, seq.constraint,
         )
 
     def _commit(
@@ -313,6 +313,8 @@ class Engine:
             self.stats.update(num_draft, num_accepted)
         emitted, pieces, reason = append_until_stop(seq, new, self.eos_token_ids, self.max_model_len)
         text = "".join(pieces)
+        if seq.constraint is not None:
+            seq.constraint.commit(emitted)
         if logprobs is not None:
             logprobs = logprobs[: len(emitted)]  # the emitted tokens are a prefix of `new`
             seq.logprobs = (seq.logprobs or []) + logprobs

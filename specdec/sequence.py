@@ -69,6 +69,8 @@ class Sequence:
     # before it is admitted, so that it starts on the cached prompt instead of computing it again.
     prefill_leader: "Sequence | None" = None
     logprobs: list[TokenLogprobs] | None = None  # emitted tokens' logprobs, when params.logprobs is set
+    # Structured output: the grammar's state over the emitted tokens (`verify.controls.TokenConstraint`)
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.token_ids)

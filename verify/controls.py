@@ -9,7 +9,8 @@ statistical test in tests/engine/test_losslessness.py catches exactly that). So 
 controlled by its own prefix: `apply_controls(logits, controls, extra)` with `extra[r]` the drafts
 that precede row r.
 
-Semantics (the order of vLLM's sampler): logit_bias is added; min_tokens sets the stop ids to -inf
+Semantics (the order of vLLM's sampler): a `TokenConstraint` (a grammar: structured output)
+leaves only the tokens it allows after the row's prefix; logit_bias is added; min_tokens sets the stop ids to -inf
 while the output is shorter than `min_tokens`; then the repetition penalty (HF/vLLM) divides
 positive and multiplies non-positive logits of every token seen in the prompt or the output;
 then frequency and presence penalties (OpenAI) subtract `frequency * count + presence` from the
@@ -22,8 +23,23 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
+
+
+class TokenConstraint(Protocol):
+    """Which tokens may come next (a grammar), for one sequence whose committed tokens it has
+    already consumed (the engine calls `commit` with every emitted token)."""
+
+    def allowed(self, extra: Sequence[int], vocab: int) -> torch.Tensor:
+        """`[vocab]` bool: the tokens allowed after the committed tokens followed by `extra`
+        (the drafts before a row); the constraint's state is as before when it returns."""
+        ...
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        """Advance past emitted tokens."""
+        ...
 
 
 @dataclass
@@ -42,6 +58,7 @@ class LogitControls:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     stop_ids: Sequence[int] = ()
+    constraint: TokenConstraint | None = None
 
     def __post_init__(self) -> None:
         self._output_counts: Counter[int] | None = None
@@ -92,6 +109,9 @@ def apply_controls(
     for r, c in enumerate(controls):
         if c is None:
             continue
+        if c.constraint is not None:
+            allowed = c.constraint.allowed(extra[r], vocab).to(out.device)  # [V] bool
+            out[r].masked_fill_(~allowed, float("-inf"))
         for token, bias in c.logit_bias.items():
             if token < vocab:
                 bias_r.append(r), bias_t.append(token), bias_v.append(bias)

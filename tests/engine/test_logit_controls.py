@@ -255,3 +255,46 @@ def test_share_prompt_with_an_unknown_request_is_refused(pair):
     target, _ = pair
     with pytest.raises(ValueError, match="share_prompt_with"):
         make_engine(target).add_request(PROMPTS[0], share_prompt_with="nope")
+
+
+# ---- the structured-output hook: a constraint sees each row's own prefix -------------------------
+
+
+class _Alternating:
+    """A toy grammar: after an even token only odd tokens, after an odd one only even tokens."""
+
+    def __init__(self, last: int) -> None:
+        self.last = last
+        self.committed: list[int] = []
+
+    def allowed(self, extra, vocab):
+        last = extra[-1] if extra else (self.committed[-1] if self.committed else self.last)
+        return torch.arange(vocab) % 2 != last % 2
+
+    def commit(self, token_ids):
+        self.committed += list(token_ids)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_constraint_holds_on_every_row_and_greedy_equals_target_only(pair, temperature):
+    target, _ = pair
+    params = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=3)
+
+    def run(engine):
+        rid = engine.add_request(PROMPTS[0], params)
+        seq = engine._sequences[rid]
+        seq.constraint = _Alternating(PROMPTS[0][-1])
+        tokens = []
+        while engine.has_unfinished():
+            for d in engine.step():
+                tokens += d.token_ids
+        assert seq.constraint.committed == tokens
+        return tokens
+
+    spec = make_engine(target, _noisy(target), num_speculative_tokens=4)
+    tokens = run(spec)
+    sequence = PROMPTS[0][-1:] + tokens
+    assert all((a + b) % 2 == 1 for a, b in zip(sequence, sequence[1:]))
+    assert spec.stats.num_accepted_tokens > 0
+    if temperature == 0:
+        assert tokens == run(make_engine(target))
