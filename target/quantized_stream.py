@@ -136,10 +136,16 @@ class _LayerLoader:
         bar.update()
 
     def _convert_head(self) -> None:
+        """The final norm and LM head, then whatever a model has beyond the layers and these
+        (read and cast module by module), so that nothing is left on the meta device."""
         self.fill("model.norm")
         self.fill("lm_head")
         self.convert("lm_head")
         self.convert("model.norm")
+        for name in [n for n, p in self.model.named_parameters() if p.is_meta]:
+            module = name.rpartition(".")[0]
+            self.fill(module)
+            self.convert(module)
 
 
 class _RecordedHead(nn.Linear):
