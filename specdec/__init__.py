@@ -19,6 +19,7 @@ _EXPORTS = {
     "RequestOutput": "specdec.sequence",
     "SamplingParams": "specdec.sampling_params",
     "StepDelta": "specdec.sequence",
+    "StructuredSpec": "specdec.sampling_params",
     "TokenOrigin": "specdec.sequence",
 }
 __all__ = sorted(_EXPORTS)
@@ -26,7 +27,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from specdec.config import EngineConfig
     from specdec.engine import Engine
-    from specdec.sampling_params import SamplingParams
+    from specdec.sampling_params import SamplingParams, StructuredSpec
     from specdec.sequence import RequestOutput, StepDelta, TokenOrigin
 
 

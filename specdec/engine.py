@@ -20,6 +20,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ChunkBudget, Scheduler
 from specdec.sequence import RequestOutput, Sequence, StepDelta, TokenLogprobs, TokenOrigin
 from specdec.stopping import StopChecker, append_until_stop
+from specdec.structured import GrammarCompiler
 from specdec.target.runner import ModelRunner
 from specdec.verifier import Verifier
 from specdec.verify import AcceptanceStats
@@ -99,6 +100,7 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.stats = AcceptanceStats()
+        self._grammars: GrammarCompiler | None = None  # structured output; built at its first request
         self._sequences: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.device = self.target.device
@@ -167,7 +169,9 @@ class Engine:
         request_id = request_id or f"req-{next(self._counter)}"
         if request_id in self._sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
+        constraint = self.grammars.constraint(params.structured) if params.structured is not None else None
         seq = Sequence(request_id, token_ids, params, k if self.proposer else 0, next(self._counter))
+        seq.constraint = constraint
         seq.cache_salt = cache_salt
         if share_prompt_with is not None:
             leader = self._sequences.get(share_prompt_with)
@@ -180,6 +184,14 @@ class Engine:
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler for this engine's tokenizer (its token table compiled once,
+        each grammar once)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.model.config.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks in both pools; False if it is unknown or done."""

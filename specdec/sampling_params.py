@@ -2,11 +2,48 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 300  # entries in logit_bias (OpenAI's limit)
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """What the answer must match (structured output, `specdec.structured`): any JSON object
+    (`json_object()`, OpenAI's JSON mode), a JSON schema (`json_schema(schema)`) or a regular
+    expression (`regex(pattern)`). `source` is the schema as JSON text, or the pattern;
+    specs compare equal by it, so an engine compiles each grammar once.
+
+    >>> SamplingParams(structured=StructuredSpec.json_schema({"type": "array", "items": {"type": "integer"}}))
+    """
+
+    kind: Literal["json_object", "json_schema", "regex"]
+    source: str = ""
+
+    @classmethod
+    def json_object(cls) -> "StructuredSpec":
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool | str) -> "StructuredSpec":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"the json schema is not JSON: {error}") from error
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a json schema is an object (or a boolean), got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema))  # keeps the properties in order
+
+    @classmethod
+    def regex(cls, pattern: str) -> "StructuredSpec":
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError("a regex must be a non-empty string")
+        return cls("regex", pattern)
 
 
 @dataclass
@@ -21,6 +58,11 @@ class SamplingParams:
     for tokens of the output; `min_tokens` bans EOS and `stop_token_ids` until that many tokens
     are out. Greedy rows take the argmax of the controlled logits. `min_p` (after temperature)
     drops tokens whose probability is below `min_p` times the top token's.
+
+    `structured`: the answer must match this grammar (JSON object / JSON schema / regex); every
+    verify and draft row is masked to the tokens the grammar allows after that row's prefix, and
+    EOS only where the grammar may end. It cannot be combined with `ignore_eos` or `min_tokens`
+    (both keep EOS out where the grammar may force it).
 
     `logprobs`: None = off; N >= 0 = report each emitted token's log-probability and the N most
     likely alternatives (`specdec.sequence.TokenLogprobs`), from the target's distribution after
@@ -44,6 +86,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +131,9 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("structured output cannot be combined with ignore_eos or min_tokens: "
+                             "the grammar decides where the answer ends")
 
     @property
     def has_logit_controls(self) -> bool:
