@@ -148,10 +148,11 @@ def load_transformers(spec: str, config):
     """The same weights our engine runs, as a transformers model in the same dtype and device."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.target.model_files import resolve_model
+    from specdec.target.model_files import resolve_model, transformers_weights
     from specdec.target.model_weights import parse_dtype
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(spec), dtype=parse_dtype(config.dtype))
+    folder = resolve_model(spec)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(config.dtype), **transformers_weights(folder))
     return model.to(config.resolved_device()).eval()
 
 

@@ -88,6 +88,16 @@ def check_hf_folder(folder: Path) -> Path:
     return folder
 
 
+def transformers_weights(folder: Path) -> dict[str, str]:
+    """The `from_pretrained` arguments that point transformers at a resolved folder's weights:
+    `{"gguf_file": "model.gguf"}` for a GGUF's folder (transformers dequantizes it itself), else
+    none.
+
+        >>> AutoModelForCausalLM.from_pretrained(folder, **transformers_weights(folder))  # doctest: +SKIP
+    """
+    return {"gguf_file": GGUF_NAME} if (Path(folder) / GGUF_NAME).exists() else {}
+
+
 def download_from_hub(repo_id: str) -> Path:
     """Fetch config, safetensors and tokenizer files of `repo_id` into the Hugging Face cache."""
     from huggingface_hub import snapshot_download

