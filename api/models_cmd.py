@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 # deletes).
 CACHE_FOLDERS = (
     ("gguf", "GGUF assembled from the models packages"),
-    ("converted", "GGUF converted to safetensors"),
+    ("models", "a GGUF's config, tokenizer and a link to the file"),
+    ("converted", "GGUF converted to safetensors (before session 8; deleted on the next load)"),
     ("quantized", "quantized weights"),
     ("kernels", "compiled C kernels"),
 )
@@ -76,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the default model pair and specdec's cache (and its size); "
                                       "--remove-cache deletes the cache")
     p.add_argument("--remove-cache", action="store_true",
-                   help="delete specdec's cache folders (gguf, converted, quantized, kernels); "
+                   help="delete specdec's cache folders (gguf, models, converted, quantized, kernels); "
                         "rebuilt on the next run")
     p.add_argument("--yes", "-y", action="store_true", help="with --remove-cache: do not ask")
     p.set_defaults(func=run)
@@ -136,6 +137,8 @@ def describe(folder: str, path: Path) -> tuple[str, str]:
         return path.stem, "GGUF file"
     if folder == "converted" and (m := _CONVERTED.fullmatch(name)):
         return m["model"], "fp32 safetensors"
+    if folder == "models" and (m := _CONVERTED.fullmatch(name)):
+        return m["model"], "config, tokenizer, link to the GGUF"
     if folder == "quantized" and (m := _QUANTIZED.fullmatch(name)):
         model = _CONVERTED.fullmatch(m["model"])
         return (model["model"] if model else m["model"]), f"{m['mode']}, {m['dtype']}"
