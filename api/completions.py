@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from specdec.api.engine_loop import EngineDeadError, GenerationRequest, RequestFailedError, RequestStream
+from specdec.api.engine_loop import EngineDeadError, EngineInfo, GenerationRequest, RequestFailedError, RequestStream
 from specdec.api.errors import APIError, error_body
 from specdec.api.logprobs import TokenTexts
 from specdec.api.protocol import ChatFormat, ChoiceOutput, CompletionFormat, ResponseFormat, Usage
@@ -29,7 +29,7 @@ from specdec.api.schemas import (
     ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields,
 )
 from specdec.api.state import ServerState, server_state
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import SamplingParams, StructuredSpec
 from specdec.sequence import StepDelta, TokenLogprobs
 from specdec.verify import AcceptanceStats
 
@@ -73,6 +73,8 @@ async def _generate(
         raise APIError(400, str(exc), exc.param, "invalid_value") from exc
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
+    if params.structured is not None:
+        await _check_grammar(info, params.structured)
     active = ActiveRequest.admit(state, fmt.id, len(prompt_ids), body.num_choices)
     try:
         stream = state.engine.submit_all(active.generation_requests(prompt_ids, params, body))
@@ -85,6 +87,18 @@ async def _generate(
             ping=state.settings.ping_seconds, send_timeout=state.settings.send_timeout_seconds, sep="\n",
         )
     return await _collect(request, active, stream, fmt)
+
+
+async def _check_grammar(info: EngineInfo, spec: StructuredSpec) -> None:
+    """A schema the grammar compiler refuses is a 400 naming `response_format`, before anything is
+    queued or streamed. Compiled off the event loop (the first one compiles the tokenizer's token
+    table, ~2 s on a 152k vocabulary); the engine finds it cached."""
+    if info.grammars is None:
+        raise APIError(400, "structured output needs a tokenizer", "response_format", "invalid_value")
+    try:
+        await asyncio.to_thread(info.grammars.grammar, spec)
+    except ValueError as exc:
+        raise APIError(400, str(exc), "response_format", "invalid_value") from exc
 
 
 def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:

@@ -69,6 +69,9 @@ class EngineInfo:
     api_tokenizer: Any
     speculative: bool
     num_speculative_tokens: int
+    # The engine's grammar compiler (structured output), for checking a schema before it is queued;
+    # its caches are safe to share (llguidance's objects are thread-safe). None without a tokenizer.
+    grammars: Any = None
 
 
 @dataclass(frozen=True)
@@ -341,6 +344,7 @@ def _engine_info(engine: Any) -> EngineInfo:
         api_tokenizer=_thread_copy(engine.tokenizer),
         speculative=engine.proposer is not None,
         num_speculative_tokens=engine.config.num_speculative_tokens if engine.proposer is not None else 0,
+        grammars=engine.grammars if engine.tokenizer is not None else None,
     )
 
 

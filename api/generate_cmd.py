@@ -6,8 +6,10 @@ import argparse
 import math
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.sampling_params import StructuredSpec
 from specdec.sequence import StepDelta, TokenLogprobs, TokenOrigin
 from specdec.verify import AcceptanceStats
 
@@ -36,8 +38,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="after the answer, print each token's log-probability under the target and "
                         "its N most likely alternatives (0..20; from the verify pass)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE",
+                   help="constrain the answer to this JSON schema (a .json file); it ends where the JSON does")
+    g.add_argument("--json", action="store_true", help="constrain the answer to a JSON object")
     add_answer_args(p)
     p.set_defaults(func=run)
+
+
+def structured_from_args(args: argparse.Namespace) -> StructuredSpec | None:
+    """`--json-schema FILE` / `--json` as a StructuredSpec (ValueError: unreadable or not JSON)."""
+    if args.json:
+        return StructuredSpec.json_object()
+    if args.json_schema is None:
+        return None
+    try:
+        text = Path(args.json_schema).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"--json-schema: cannot read {args.json_schema!r}: {error}") from error
+    return StructuredSpec.json_schema(text)
 
 
 def add_answer_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     from specdec.api.args import engine_config_from_args, sampling_params_from_args
 
-    params = replace(sampling_params_from_args(args), logprobs=args.logprobs)
+    params = replace(sampling_params_from_args(args), logprobs=args.logprobs, structured=structured_from_args(args))
     config = engine_config_from_args(args)
     err = Console(stderr=True, highlight=False)
     engine, load_s, warm_s = load_engine(config, err, args.warmup)

@@ -8,16 +8,16 @@ control this server does not know never silently leaves the answer unchanged. do
 lists every field; tests/api/test_request_fields.py walks these models against that list.
 `top_k`, `ignore_eos` and `num_speculative_tokens` are specdec extensions; `min_p`, `min_tokens`,
 `repetition_penalty`, `stop_token_ids` and `cache_salt` are vLLM's (pass them with the openai
-client's `extra_body`).
+client's `extra_body`), and so is `response_format` on completions.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, StructuredSpec
 
 _FLOAT = dict(allow_inf_nan=False)
 MAX_N = 16  # choices per request
@@ -66,6 +66,40 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`, as OpenAI defines it. The answer always follows `schema`
+    exactly (`strict` true or not: a constrained answer cannot stray from it)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatField(BaseModel):
+    """`response_format`: `text` (the default), `json_object` (any JSON object) or `json_schema`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormatField":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema' and only with it")
+        return self
+
+    def structured(self) -> StructuredSpec | None:
+        if self.type == "json_object":
+            return StructuredSpec.json_object()
+        if self.type == "json_schema":
+            return StructuredSpec.json_schema(self.json_schema.schema_ or {})
+        return None
+
+
 class GenerationFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -95,6 +129,8 @@ class GenerationFields(BaseModel):
     top_k: int | None = Field(None, ge=-1, lt=2**31)  # any k >= vocab size means off
     ignore_eos: bool | None = False
     num_speculative_tokens: int | None = Field(None, ge=0, le=16)
+    # structured output (OpenAI's on chat; vLLM's on completions)
+    response_format: ResponseFormatField | None = None
 
     @field_validator("stop")
     @classmethod
@@ -148,6 +184,10 @@ class GenerationFields(BaseModel):
                 raise FieldError(name, f"token ids must be below the vocabulary size {vocab_size}")
         if (self.min_tokens or 0) > max_tokens:
             raise FieldError("min_tokens", f"{self.min_tokens} is more than max_tokens ({max_tokens})")
+        structured = self.response_format.structured() if self.response_format is not None else None
+        if structured is not None and (self.ignore_eos or self.min_tokens):
+            raise FieldError("response_format", "cannot be combined with ignore_eos or min_tokens: the "
+                             "grammar decides where the answer ends")
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -164,6 +204,7 @@ class GenerationFields(BaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             logprobs=self.requested_logprobs(),
+            structured=structured,
         )
 
 
@@ -218,12 +259,11 @@ class ChatCompletionRequest(GenerationFields):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     parallel_tool_calls: bool | None = None  # tools are refused, so there is nothing to parallelize
-    # refused (tool calling and structured output: issue 16)
+    # refused (tool calling)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -244,13 +284,6 @@ class ChatCompletionRequest(GenerationFields):
     def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
         if value not in (None, "none"):
             raise ValueError("tool calling is not supported; only 'none' is accepted")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict | None) -> dict | None:
-        if value and value.get("type") not in (None, "text"):
-            raise ValueError("only response_format type 'text' is supported")
         return value
 
     def requested_max_tokens(self) -> int | None:

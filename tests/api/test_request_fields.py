@@ -47,6 +47,7 @@ SHARED = {
     "num_speculative_tokens": ("honoured", "test_logprobs::test_logprobs_equal_with_and_without_speculation"),
     "cache_salt": ("honoured", "test_prefix_cache::test_cache_salt_separates_requests"),
     "user": ("no effect", "user-42"),
+    "response_format": ("honoured", "test_structured::test_json_schema_response_validates"),
 }
 CHAT_FIELDS = SHARED | {
     "messages": ("honoured", OPENAI + "test_chat_completion"),
@@ -63,7 +64,6 @@ CHAT_FIELDS = SHARED | {
     "tool_choice": ("refused", "auto"),
     "functions": ("refused", [{"name": "f", "parameters": {}}]),
     "function_call": ("refused", "auto"),
-    "response_format": ("refused", {"type": "json_object"}),
 }
 COMPLETION_FIELDS = SHARED | {
     "prompt": ("honoured", OPENAI + "test_completion"),
