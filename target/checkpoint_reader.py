@@ -109,10 +109,32 @@ def param_sources(reader: CheckpointReader, param_names: list[str], config) -> d
     `ModelConfig`); a tied LM head the checkpoint leaves out reads the embedding. ValueError
     naming what is missing."""
     available = set(reader.names())
-    sources = {name: name for name in param_names if name in available}
+    sources = {}
+    for name in param_names:
+        found = [n for n in _candidates(name) if n in available]
+        if found:
+            sources[name] = found[0]
     if "lm_head.weight" in param_names and "lm_head.weight" not in sources and config.tie_word_embeddings:
-        sources["lm_head.weight"] = "model.embed_tokens.weight"
+        sources["lm_head.weight"] = sources.get("model.embed_tokens.weight", "model.embed_tokens.weight")
     missing = sorted(set(param_names) - set(sources))
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights of the model, e.g. {missing[:3]}")
     return sources
+
+
+# A multimodal checkpoint keeps its text model under a prefix (Gemma 3 4B+: transformers >= 4.52
+# writes `model.language_model.*`, the published checkpoints `language_model.model.*`); its image
+# tower and projector are not part of the text model.
+_TEXT_PREFIXES = (("model.", "model.language_model."), ("model.", "language_model.model."),
+                  ("lm_head.", "language_model.lm_head."))
+_IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _candidates(name: str) -> list[str]:
+    """Where a parameter of the text model may sit in a checkpoint, most likely first."""
+    return [name] + [new + name[len(old):] for old, new in _TEXT_PREFIXES if name.startswith(old)]
+
+
+def is_image_part(name: str) -> bool:
+    """A tensor of a multimodal checkpoint's image side, which the text model does not load."""
+    return name.startswith(_IMAGE_PARTS)

@@ -26,6 +26,8 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
 }
 GEMMA_TYPES = ("gemma2", "gemma3_text")
+# Multimodal configs whose text model we run (the image tower is not loaded).
+TEXT_OF_MULTIMODAL = ("gemma3",)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -90,7 +92,15 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> "ModelConfig":
-        """Read a transformers `PretrainedConfig`; raise `UnsupportedModelError` for other families."""
+        """Read a transformers `PretrainedConfig`; raise `UnsupportedModelError` for other families.
+        A multimodal Gemma 3 config (`Gemma3ForConditionalGeneration`: 4B, 12B, 27B) is read as its
+        text model (`text_config`); its vision tower is not loaded."""
+        if getattr(hf_config, "model_type", "") in TEXT_OF_MULTIMODAL and getattr(hf_config, "text_config", None):
+            text = hf_config.text_config
+            text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", text.tie_word_embeddings))
+            if getattr(hf_config, "eos_token_id", None) is not None:
+                text.eos_token_id = hf_config.eos_token_id
+            return cls.from_hf(text)
         model_type = _model_type(hf_config)
         heads = hf_config.num_attention_heads
         num_layers = hf_config.num_hidden_layers
@@ -146,7 +156,7 @@ def _model_type(hf_config: Any) -> str:
             return SUPPORTED_ARCHITECTURES[arch]
     hint = ""
     if model_type == "gemma3" or "Gemma3ForConditionalGeneration" in archs:
-        hint = " (multimodal Gemma 3 checkpoints are not supported: use a text-only Gemma3ForCausalLM one)"
+        hint = " (a multimodal Gemma 3 config needs its text_config)"
     raise UnsupportedModelError(
         f"unsupported architecture {archs or model_type!r}{hint}; specdec supports "
         f"{', '.join(SUPPORTED_ARCHITECTURES)}"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.target.checkpoint_reader import open_checkpoint, param_sources
+from specdec.target.checkpoint_reader import is_image_part, open_checkpoint, param_sources
 from specdec.target.config import ModelConfig
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.cache_file import load_quantized, quant_cache_path, save_quantized
@@ -93,11 +93,13 @@ def _load_dense(model_dir: Path, dtype: torch.dtype, device) -> LlamaForCausalLM
         model = LlamaForCausalLM(config)
     params = dict(model.named_parameters())
     with open_checkpoint(model_dir) as reader:
-        unexpected = [n for n in reader.names() if n not in params and "rotary_emb" not in n
-                      and not (n == "lm_head.weight" and config.tie_word_embeddings)]
+        sources = param_sources(reader, list(params), config)
+        used = set(sources.values())
+        unexpected = [n for n in reader.names() if n not in used and "rotary_emb" not in n and not is_image_part(n)
+                      and not (n.endswith("lm_head.weight") and config.tie_word_embeddings)]
         if unexpected:
             raise ValueError(f"unexpected weights in {model_dir}: {unexpected[:5]}")
-        for name, source in param_sources(reader, list(params), config).items():
+        for name, source in sources.items():
             tensor = reader.read(source).to(device=device, dtype=dtype)
             _assign(model, name, torch.nn.Parameter(tensor, requires_grad=False))
     if config.tie_word_embeddings:

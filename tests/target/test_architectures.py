@@ -307,3 +307,64 @@ def test_bf16_on_the_c_attention_matches_the_reference_path(arch, monkeypatch):
     monkeypatch.setenv("SPECDEC_NO_KERNELS", "1")
     reference = _decode_logits(model)
     assert ((with_kernel - reference).norm() / reference.norm()).item() < 2e-2
+
+
+def _tiny_multimodal_gemma3():
+    """A tiny Gemma3ForConditionalGeneration (the 4B/12B/27B checkpoints' class): the text model
+    of `hf_config("gemma3")` beside a tiny SigLIP tower."""
+    import transformers as tf
+
+    text = hf_config("gemma3")
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   image_size=28, patch_size=14)
+    config = tf.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                             boi_token_index=90, eoi_token_index=91, image_token_index=92, eos_token_id=2)
+    torch.manual_seed(0)
+    return tf.Gemma3ForConditionalGeneration(config).eval()
+
+
+def test_a_multimodal_gemma3_checkpoint_runs_its_text_model(tmp_path):
+    """Gemma 3 4B and up ship as Gemma3ForConditionalGeneration: the text model loads from under its
+    prefix (the image tower is skipped) and matches transformers' text-only logits; a draft of
+    the same family (a text-only Gemma 3) pairs with it."""
+    from specdec.target.model_weights import load_config, load_model
+
+    hf = _tiny_multimodal_gemma3()
+    hf.save_pretrained(tmp_path)
+    config = load_config(tmp_path)
+    assert config.sliding_windows == (5, None) and config.tie_word_embeddings and config.eos_token_ids == [2]
+    ids = PROMPTS[0]
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([ids])).logits[0].float()
+    runner = ModelRunner.build(load_model(tmp_path, torch.float32), block_size=4, num_blocks=16)
+    table = runner.new_table()
+    table.ensure_slots(len(ids))
+    assert (runner.forward([Window(table, ids, len(ids))]) - ref).abs().max().item() < TOL
+
+
+def test_text_weights_are_found_under_either_multimodal_prefix():
+    """transformers >= 4.52 writes `model.language_model.*`; the published Gemma 3 checkpoints
+    hold `language_model.model.*` and `language_model.lm_head.weight`."""
+    from specdec.target.checkpoint_reader import is_image_part, param_sources
+
+    class Reader:
+        def __init__(self, names):
+            self._names = names
+
+        def names(self):
+            return self._names
+
+    params = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    untied = ModelConfig.from_hf(hf_config("llama3"))
+    old = Reader(["language_model.model.embed_tokens.weight", "language_model.model.norm.weight",
+                  "language_model.lm_head.weight", "vision_tower.vision_model.post_layernorm.weight"])
+    assert param_sources(old, params, untied) == {
+        "model.embed_tokens.weight": "language_model.model.embed_tokens.weight",
+        "model.norm.weight": "language_model.model.norm.weight",
+        "lm_head.weight": "language_model.lm_head.weight",
+    }
+    new = Reader(["model.language_model.embed_tokens.weight", "model.language_model.norm.weight"])
+    tied = ModelConfig.from_hf(hf_config("gemma3"))
+    assert param_sources(new, params, tied)["lm_head.weight"] == "model.language_model.embed_tokens.weight"
+    assert is_image_part("model.vision_tower.x") and is_image_part("multi_modal_projector.y")
+    assert not is_image_part("model.language_model.norm.weight")
