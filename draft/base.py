@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -65,6 +65,16 @@ class SamplingTensors:
             None if self.min_p is None else self.min_p.repeat_interleave(reps),
             None if self.controls is None else [c for c, n in zip(self.controls, counts) for _ in range(n)],
         )
+
+
+@runtime_checkable
+class ForcingConstraint(Protocol):
+    """A token constraint that can name the tokens its grammar forces (`specdec.structured`):
+    grammar-forced drafting proposes them without a draft forward."""
+
+    def forced(self, extra: Sequence[int], most: int) -> list[int]:
+        """Up to `most` tokens forced after the committed tokens plus `extra`; [] at a choice."""
+        ...
 
 
 class DraftSequence(Protocol):

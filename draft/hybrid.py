@@ -56,9 +56,11 @@ class HybridProposer:
         first forward."""
         looked_up = [self.ngram.lookup(p.seq.token_ids, p.num_lookup) for p in plan.rows]
         model_k = [0 if found else p.num_draft for found, p in zip(looked_up, plan.rows)]
+        caps = [0 if found else p.cap for found, p in zip(looked_up, plan.rows)]  # grammar-forced drafts
         seqs = [p.seq for p in plan.rows]
         self.model.queue_fills(plan)
-        out = self.model.draft(seqs, model_k, sampling) if any(model_k) else None
+        forcing = self.model.grammar_forced and sampling.controls is not None and any(caps)
+        out = self.model.draft(seqs, model_k, sampling, caps) if any(model_k) or forcing else None
         self.model.flush()
         drafted = out.num_draft if out is not None else [0] * len(seqs)  # may stop short of model_k
         counts = [len(found) if found else n for found, n in zip(looked_up, drafted)]

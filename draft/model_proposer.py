@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from specdec.cache import BlockPool
-from specdec.draft.base import DraftOutput, DraftSequence, SamplingTensors, StepPlan, StepTimings
+from specdec.draft.base import (
+    DraftOutput, DraftSequence, ForcingConstraint, SamplingTensors, StepPlan, StepTimings,
+)
 from specdec.target.runner import ModelRunner, Window
 from specdec.verify import sample
 
@@ -31,11 +33,14 @@ class DraftModelProposer:
     """
 
     def __init__(
-        self, runner: ModelRunner, timings: StepTimings | None = None, stop_below: float = 0.0
+        self, runner: ModelRunner, timings: StepTimings | None = None, stop_below: float = 0.0,
+        grammar_forced: bool = True,
     ) -> None:
         self.runner = runner
         self.timings = timings or StepTimings()  # each forward's (rows, seconds) while enabled
         self.stop_below = stop_below
+        self.grammar_forced = grammar_forced  # propose what a row's grammar forces, without a forward
+        self.num_forced = 0  # tokens proposed by grammars so far
         self._fill_windows: list[Window] = []  # queued fills, taken by the step's first forward
 
     @property
@@ -62,7 +67,8 @@ class DraftModelProposer:
     def propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
         """Feed the plan's `draft_fill`s and draft up to `num_draft` tokens per row."""
         self.queue_fills(plan)
-        out = self.draft([p.seq for p in plan.rows], [p.num_draft for p in plan.rows], sampling)
+        out = self.draft([p.seq for p in plan.rows], [p.num_draft for p in plan.rows], sampling,
+                         [p.cap for p in plan.rows])
         self.flush()
         return out
 
@@ -90,48 +96,94 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def draft(
-        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors
+        self, seqs: list[DraftSequence], num_draft: list[int], sampling: SamplingTensors,
+        caps: list[int] | None = None,
     ) -> DraftOutput:
-        """Up to `num_draft[b]` drafts for sequence b; the first forward takes the queued fills."""
-        b, k = len(seqs), max(num_draft, default=0)
+        """Up to `num_draft[b]` drafts for sequence b; the first forward takes the queued fills.
+
+        Grammar-forced drafting (`grammar_forced`, rows whose constraint can name forced tokens):
+        where the grammar forces the next tokens, they are proposed as they are (q one-hot), up to
+        `caps[b]` (default `num_draft[b]`), and fed to the draft cache in the same window as the
+        token before them, so a forced run costs no draft forward of its own; a row whose cap the
+        forced tokens fill needs no forward at all.
+        """
+        b, k = len(seqs), max([*num_draft, *(caps or [])], default=0)
+        caps = caps or num_draft
         device = self.runner.device
         token_ids = torch.full((b, k), -1, dtype=torch.long, device=device)  # [B, k]
         probs: torch.Tensor | None = None
-        rows = [i for i in range(b) if num_draft[i] > 0]
-        drafted = [0] * b
-        confidence = [1.0] * b  # q(d_1) * ... * q(d_j) per sequence
-        windows = [self._catch_up(seqs[i]) for i in rows]
-        if k > 0:
-            windows += self._take_fill()  # no logits: the first forward's rows are the catch-ups
+        forcing = self._forcing(sampling, b)
+        pos = [0] * b  # drafts so far per sequence (sampled and forced)
+        forced: list[tuple[int, int, int]] = []  # (row, position, token) proposed by the grammar
         drafted_ids: list[list[int]] = [[] for _ in range(b)]  # host copies, for the logit controls
-        for j in range(k):
+        for i in range(b):
+            if caps[i] > 0:
+                self._force(i, forcing, drafted_ids, pos, caps[i], token_ids, forced)
+        rows = [i for i in range(b) if num_draft[i] > pos[i]]
+        windows = [self._catch_up(seqs[i], drafted_ids[i]) for i in rows]
+        confidence = [1.0] * b  # q(d_1) * ... * q(d_j) per sequence
+        if rows:
+            windows += self._take_fill()  # no logits: the first forward's rows are the catch-ups
+        while rows:
             logits = self._forward(windows)  # [A, V]
             # Each row's penalties see its own prefix: the sequence's tokens and its drafts so far.
             logits = sampling.controlled(logits, rows, [drafted_ids[i] for i in rows])
             step_sampling = sampling.select(rows)
             step_probs = step_sampling.warp(logits)  # [A, V]
             step_tokens = sample(step_probs, step_sampling.generators, step_sampling.all_greedy)  # [A]
-            if sampling.controls is not None:
-                for i, token in zip(rows, step_tokens.tolist()):
-                    drafted_ids[i].append(token)
             if probs is None:
                 probs = torch.zeros(b, k, step_probs.shape[-1], device=device)
             idx = torch.tensor(rows, dtype=torch.long, device=device)
-            token_ids[idx, j] = step_tokens
-            probs[idx, j] = step_probs
-            for i in rows:
-                drafted[i] = j + 1
-            keep = [a for a, i in enumerate(rows) if num_draft[i] > j + 1]
+            at = torch.tensor([pos[i] for i in rows], dtype=torch.long, device=device)
+            token_ids[idx, at] = step_tokens
+            probs[idx, at] = step_probs
+            fed: list[list[int] | torch.Tensor] = [step_tokens[a : a + 1] for a in range(len(rows))]
+            if sampling.controls is not None:
+                for a, (i, token) in enumerate(zip(rows, step_tokens.tolist())):
+                    drafted_ids[i].append(token)
+                    pos[i] += 1
+                    if forcing[i] is not None and pos[i] < caps[i]:
+                        fed[a] = [token] + self._force(i, forcing, drafted_ids, pos, caps[i], token_ids, forced)
+            else:
+                for i in rows:
+                    pos[i] += 1
+            keep = [a for a, i in enumerate(rows) if num_draft[i] > pos[i]]
             if self.stop_below > 0 and keep:
                 q = self._confidence(logits, step_probs, step_tokens, step_sampling).tolist()  # [A]
                 for a, i in enumerate(rows):
                     confidence[i] *= q[a]
                 keep = [a for a in keep if confidence[rows[a]] >= self.stop_below]
+            windows = [Window(seqs[rows[a]].draft_table, fed[a]) for a in keep]
             rows = [rows[a] for a in keep]
-            if not rows:
-                break
-            windows = [Window(seqs[i].draft_table, step_tokens[a : a + 1]) for a, i in zip(keep, rows)]
-        return DraftOutput(token_ids, probs, drafted)
+        if probs is not None:
+            for i, j, token in forced:  # q one-hot where the grammar proposed
+                probs[i, j] = 0
+                probs[i, j, token] = 1.0
+        self.num_forced += len(forced)
+        return DraftOutput(token_ids, probs, pos).trimmed()  # caps may exceed what was drafted
+
+    def _forcing(self, sampling: SamplingTensors, b: int) -> list[ForcingConstraint | None]:
+        """Each row's constraint, where it names forced tokens and grammar-forced drafting is on."""
+        if not self.grammar_forced or sampling.controls is None:
+            return [None] * b
+        return [c.constraint if c is not None and isinstance(c.constraint, ForcingConstraint) else None
+                for c in sampling.controls]
+
+    @staticmethod
+    def _force(
+        i: int, forcing: list, drafted_ids: list[list[int]], pos: list[int], cap: int,
+        token_ids: torch.Tensor, forced: list[tuple[int, int, int]],
+    ) -> list[int]:
+        """Propose what row i's grammar forces after its drafts so far (up to its cap); returns it."""
+        if forcing[i] is None:
+            return []
+        tokens = forcing[i].forced(drafted_ids[i], cap - pos[i])
+        for token in tokens:
+            token_ids[i, pos[i]] = token
+            forced.append((i, pos[i], token))
+            drafted_ids[i].append(token)
+            pos[i] += 1
+        return tokens
 
     @staticmethod
     def _confidence(
@@ -155,7 +207,8 @@ class DraftModelProposer:
             return self.runner.forward(windows)
 
     @staticmethod
-    def _catch_up(seq: DraftSequence) -> Window:
+    def _catch_up(seq: DraftSequence, forced: list[int]) -> Window:
+        """What the draft cache lacks, and the tokens the grammar forced after it."""
         table = seq.draft_table
         assert table is not None and table.num_computed < len(seq.token_ids)
-        return Window(table, seq.token_ids[table.num_computed :])
+        return Window(table, seq.token_ids[table.num_computed :] + forced)

@@ -97,3 +97,33 @@ def test_each_grammar_compiles_once_per_engine(parts):
     grammars = dict(engine.grammars._grammars)
     engine.add_request([1, 2, 4], SamplingParams(structured=StructuredSpec.json_schema(json.loads(json.dumps(SCHEMA)))))
     assert engine.grammars._grammars == grammars and len(grammars) == 1
+
+
+def _model_proposer(engine: Engine):
+    return getattr(engine.proposer, "model", engine.proposer)
+
+
+@pytest.mark.parametrize("proposer", ["draft", "hybrid"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grammar_forced_drafting_supplies_tokens_and_saves_draft_forwards(parts, proposer, temperature):
+    """Where the schema forces tokens (keys, `": "`, `", "`, braces), the grammar proposes them
+    without a draft forward: the same answers (greedy: the target-only ones), fewer draft forwards,
+    and no fewer drafts accepted."""
+    params = SamplingParams(temperature=temperature, max_tokens=300, seed=11, structured=StructuredSpec.json_schema(SCHEMA))
+    ps = prompts(parts, 3)
+    runs = {}
+    for forced in (False, True):
+        engine = engine_of(parts, 4, proposer)
+        model = _model_proposer(engine)
+        model.grammar_forced = forced
+        forwards = []
+        forward = model._forward
+        model._forward = lambda windows: (forwards.append(len(windows)), forward(windows))[1]
+        outs = engine.generate(ps, params)
+        runs[forced] = ([o.token_ids for o in outs], len(forwards), model.num_forced, engine.stats)
+    (plain, plain_forwards, none, _), (tokens, forwards, supplied, stats) = runs[False], runs[True]
+    assert none == 0 and supplied > 0
+    if temperature == 0:
+        assert tokens == plain == [o.token_ids for o in engine_of(parts, 0).generate(ps, params)]
+    assert forwards < plain_forwards, (forwards, plain_forwards)
+    assert stats.acceptance_rate >= runs[False][3].acceptance_rate - 0.05
