@@ -1,7 +1,7 @@
 """Grammar-forced drafting, side by side: the same JSON-schema workload with and without it, on
 one engine (the proposer's switch flipped between rounds), greedy, so both give the same tokens.
 
-    python docs/results/issue16/bench_forced.py [--rounds 2] [--max-tokens 160] [engine flags: --target ...]
+    python docs/results/issue16/bench_forced.py [--rounds 2] [--max-tokens 160] [-k 5] [--fixed-k] [--proposer draft]
 
 Prints per mode: wall time, generated tokens, tokens/s, draft-model forwards, tokens the grammar
 proposed, acceptance; every answer is validated against its schema (jsonschema).
@@ -67,8 +67,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("-k", type=int, default=5)
-    args, rest = parser.parse_known_args()
-    engine = Engine(EngineConfig(num_speculative_tokens=args.k))
+    parser.add_argument("--fixed-k", action="store_true", help="draft k every step (no adaptive policy)")
+    parser.add_argument("--proposer", default="hybrid", choices=["draft", "hybrid"])
+    args = parser.parse_args()
+    engine = Engine(EngineConfig(num_speculative_tokens=args.k, adaptive_k=not args.fixed_k, proposer=args.proposer))
     run(engine, True, 16)  # warm: kernels, the grammar compiler's token table, the policy's costs
     results = {False: [], True: []}
     for r in range(args.rounds):
