@@ -241,3 +241,35 @@ def test_a_grammar_not_advanced_along_the_drafts_is_caught(monkeypatch):
     same_parity = sum(empirical[a, b].item() for a in range(V) for b in range(V) if (a + b) % 2 == 0)
     tv = 0.5 * (empirical - exact).abs().sum().item()
     assert same_parity > 0.1 and tv > 0.15, (same_parity, tv)
+
+
+def test_grammar_forced_drafts_keep_the_output_distribution_exact():
+    """A grammar that forces the second token (a after an odd first token, b after an even one):
+    the draft proposer proposes it itself (q one-hot) and drafts the third token from a window
+    that feeds both. The joint of the first and third tokens must be the target's under the
+    grammar, and the forced token must have been proposed by the grammar."""
+    spec = StructuredSpec.regex("([bdfh]a|[aeg]b)[abdefgh]{2}")
+    hf_target = tiny_hf_model("llama", seed=3, vocab_size=V)
+    grammars = _toy_grammars()
+
+    def dist(ids):
+        constraint = grammars.constraint(spec)
+        with torch.no_grad():
+            logits = hf_target(torch.tensor([ids])).logits[0, -1].float()
+        return torch.softmax(logits.masked_fill(~constraint.allowed(ids[len(PROMPT):], V), float("-inf")), -1)
+
+    p1 = dist(PROMPT)
+    exact = torch.stack([p1[x] * dist(PROMPT + [x, 0 if x % 2 else 1]) for x in range(V)])  # [V, V]: x1, x3
+    draft = from_hf(tiny_hf_model("llama", seed=4, vocab_size=V, num_hidden_layers=1))
+    engine = make_engine(from_hf(hf_target), draft, num_speculative_tokens=3, max_num_seqs=N,
+                         num_blocks=3 * N, block_size=4)
+    engine._grammars = grammars
+    torch.manual_seed(0)
+    outs = engine.generate([PROMPT] * N, SamplingParams(temperature=1.0, max_tokens=8, structured=spec))
+    counts = torch.zeros(V, V)
+    for o in outs:
+        assert o.token_ids[1] == (0 if o.token_ids[0] % 2 else 1)
+        counts[o.token_ids[0], o.token_ids[2]] += 1
+    tv = 0.5 * (counts / N - exact).abs().sum().item()
+    assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
+    assert engine.proposer.num_forced >= N  # the second token's draft came from the grammar
