@@ -305,8 +305,9 @@ class Engine:
         if not p.has_logit_controls and seq.constraint is None:
             return None
         stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        prompt = seq.token_ids[: seq.prompt_len] if p.repetition_penalty != 1.0 else ()  # only it reads the prompt
         return LogitControls(
-            seq.token_ids[seq.prompt_len :], seq.token_ids[: seq.prompt_len], p.presence_penalty,
+            seq.token_ids[seq.prompt_len :], prompt, p.presence_penalty,
             p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.min_tokens, stop_ids, seq.constraint,
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specdec.target.config import ModelConfig
@@ -126,3 +128,15 @@ def write_tiny_pair(root, seed: int = 0):
         tokenizer.save_pretrained(out)
         paths.append(out)
     return paths[0], paths[1]
+
+
+def noisy_twin(model: torch.nn.Module, sigma: float = 0.006, seed: int = 0) -> torch.nn.Module:
+    """A draft that agrees with `model` about half the time (greedy), so every token origin shows up:
+    accepted drafts, corrections by the target and bonus tokens."""
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in twin.parameters():
+            if p.dim() == 2:
+                p.add_(torch.randn(p.shape, generator=gen) * sigma)
+    return twin

@@ -10,6 +10,8 @@ logits: p(.|..c) checks x, p(.|..x) checks y, p(.|..y) is the bonus row.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from specdec.draft import DraftOutput, SamplingTensors, StepPlan, StepTimings
@@ -70,7 +72,7 @@ class Verifier:
         the logit controls and the temperature, 1 for greedy rows; before min-p/top-k/top-p) and the
         `num_top[b]` most likely alternatives. Accepted, recovered and bonus tokens alike: row j's
         distribution is what the token at position j was verified or sampled against."""
-        starts = [sum(counts[:b]) for b in range(len(counts))]
+        starts = [0, *itertools.accumulate(counts)]  # first row of each sequence
         wanted = [b for b, n in enumerate(num_top) if n is not None and emitted[b]]
         result: list[list[TokenLogprobs] | None] = [None] * len(counts)
         if not wanted:

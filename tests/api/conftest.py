@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import socket
 import threading
@@ -12,14 +11,13 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from specdec.api.server import create_app
 from specdec.api.state import ServerSettings
 from specdec.config import EngineConfig
 from specdec.engine import Engine
-from specdec.testing import tiny_engine_parts
+from specdec.testing import noisy_twin, tiny_engine_parts
 
 MODEL = "tiny"
 
@@ -36,18 +34,6 @@ def _loopback_bypasses_proxies():
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-
-
-def noisy_twin(model: torch.nn.Module, sigma: float = 0.006, seed: int = 0) -> torch.nn.Module:
-    """A draft that agrees with `model` about half the time (greedy), so every token origin shows up:
-    accepted drafts, corrections by the target and bonus tokens."""
-    twin = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in twin.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * sigma)
-    return twin
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,12 @@ transformers' log_softmax of the controlled logits. (Statistical losslessness wi
 tests/engine/test_losslessness.py.)
 """
 
-import copy
-
 import pytest
 import torch
 
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import TokenOrigin
-from specdec.testing import from_hf
+from specdec.testing import from_hf, noisy_twin
 from specdec.verify.controls import LogitControls, apply_controls
 from specdec.verify.sampling import warp_probs
 
@@ -150,17 +148,6 @@ def test_out_of_vocabulary_controls_are_refused(pair):
         engine.add_request(PROMPTS[0], SamplingParams(stop_token_ids=[vocab + 3]))
 
 
-def _noisy(model: torch.nn.Module, sigma: float = 0.02) -> torch.nn.Module:
-    """A draft that agrees with `model` part of the time: accepted and recovered tokens both occur."""
-    twin = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in twin.parameters():
-            if p.dim() == 2:
-                p.add_(torch.randn(p.shape, generator=gen) * sigma)
-    return twin
-
-
 def _logprob_run(engine, params, prompt):
     origins, logprobs = [], []
     rid = engine.add_request(prompt, params)
@@ -177,7 +164,7 @@ def test_logprobs_equal_target_only_and_transformers(hf_target, temperature):
     """Every emitted token's logprob (and the top alternatives) from the verify pass equals a
     target-only run's and transformers' log_softmax of the controlled logits / temperature."""
     target = from_hf(hf_target)
-    draft = _noisy(target)
+    draft = noisy_twin(target, sigma=0.02)
     params = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=5, logprobs=3,
                             frequency_penalty=0.5, logit_bias={11: 1.0})
     prompt = PROMPTS[2]
@@ -291,7 +278,7 @@ def test_a_constraint_holds_on_every_row_and_greedy_equals_target_only(pair, tem
         assert seq.constraint.committed == tokens
         return tokens
 
-    spec = make_engine(target, _noisy(target), num_speculative_tokens=4)
+    spec = make_engine(target, noisy_twin(target, sigma=0.02), num_speculative_tokens=4)
     tokens = run(spec)
     sequence = PROMPTS[0][-1:] + tokens
     assert all((a + b) % 2 == 1 for a, b in zip(sequence, sequence[1:]))
