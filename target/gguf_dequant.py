@@ -23,8 +23,9 @@ Block layouts (bytes in storage order; `d`, `m`, `dmin` fp16; a block of 32 or 2
     Q6_K [210] ql[128] | qh[64] | scales[16] int8 | d      16 sub-blocks of 16:
                w = (d * sc) * (q - 32)                     q = nibble of ql | 2 bits of qh << 4
 
-Each product above is exact in float32 (an fp16 scale times integers of at most 6 bits each), so only
-the final add / subtract rounds, as in numpy. A NaN or inf scale (absent from real files) gives NaN in
+Each product above is exact in float32 (an fp16 scale, 11 significant bits, times integers of at most
+7 and 5 bits), so only the final add / subtract rounds, as in numpy; that is why one fused pass
+(`addcmul`, FMA or not) gives numpy's bits. A NaN or inf scale (absent from real files) gives NaN in
 the same places, but its payload may differ from numpy's. F32, F16 and BF16 are converted exactly. Any other type (Q2_K, Q3_K, the IQ and TQ types) falls back
 to `gguf.quants.dequantize` itself, so every type the gguf package reads is read here.
 """
@@ -94,7 +95,7 @@ def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
 
 def _q4_1(b: torch.Tensor, out: torch.Tensor) -> None:
     q = _nibbles(b[:, 4:].unsqueeze(1)).view(-1, 32).float()  # [n, 32]
-    torch.add(_f16(b, 0) * q, _f16(b, 2), out=out)
+    torch.addcmul(_f16(b, 2), _f16(b, 0), q, out=out)  # m + d * q
 
 
 def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
@@ -104,7 +105,7 @@ def _q5_0(b: torch.Tensor, out: torch.Tensor) -> None:
 
 def _q5_1(b: torch.Tensor, out: torch.Tensor) -> None:
     q = (_nibbles(b[:, 8:].unsqueeze(1)).view(-1, 32) | _high_bits(b[:, 4:8])).float()  # [n, 32]
-    torch.add(_f16(b, 0) * q, _f16(b, 2), out=out)
+    torch.addcmul(_f16(b, 2), _f16(b, 0), q, out=out)  # m + d * q
 
 
 def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
@@ -120,11 +121,12 @@ def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _k4(b: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> None:
-    """Q4_K / Q5_K: `q` float32 `[n, 8, 32]` -> (d * sc) * q - dmin * m."""
+    """Q4_K / Q5_K: `q` float32 `[n, 8, 32]` -> (d * sc) * q - dmin * m, as -(dmin * m) + (d * sc) * q
+    in one pass (x - y is x + -y in IEEE, signed zeros included)."""
     sc, mn = _scale_min_k4(b[:, 4:16])
     d = _f16(b, 0).unsqueeze(-1) * sc  # [n, 8, 1]
     dm = _f16(b, 2).unsqueeze(-1) * mn  # [n, 8, 1]
-    torch.sub(d * q, dm, out=out.view(-1, 8, 32))
+    torch.addcmul(dm.neg_(), d, q, out=out.view(-1, 8, 32))
 
 
 def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
