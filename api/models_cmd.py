@@ -29,8 +29,10 @@ from specdec.target.default_pair import (
     PackedModel,
     find_parts,
     gguf_path,
+    read_parts_manifest,
     verified_sha256,
 )
+from specdec.target.model_files import packed_model_dir
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -38,8 +40,8 @@ if TYPE_CHECKING:
 # The folders specdec writes under its cache, and what each holds (the only ones --remove-cache
 # deletes).
 CACHE_FOLDERS = (
-    ("gguf", "GGUF assembled from the models packages"),
-    ("models", "a GGUF's config, tokenizer and a link to the file"),
+    ("gguf", "GGUF assembled from the models packages, for eval's llama.cpp / transformers baselines"),
+    ("models", "a GGUF's config, tokenizer and where its weights are"),
     ("converted", "GGUF converted to safetensors (before session 8; deleted on the next load)"),
     ("quantized", "quantized weights"),
     ("kernels", "compiled C kernels"),
@@ -63,12 +65,13 @@ class CacheEntry:
 
 @dataclass
 class PairModel:
-    """One model of the embedded pair: its packages and its assembled GGUF."""
+    """One model of the embedded pair: its packages (read in place) and an assembled GGUF copy."""
 
     role: str
     packed: PackedModel
     parts: list[Path] | None  # None: the packages are not (all) installed
     problem: str  # why not, when parts is None
+    checked: bool  # the parts' sha256 was checked and they have not changed since
     gguf: Path
     gguf_ok: bool  # assembled and its sha256 marker matches
 
@@ -105,9 +108,11 @@ def pair_status() -> list[PairModel]:
             parts, problem = find_parts(packed), ""
         except ModelsNotInstalledError as exc:
             parts, problem = None, str(exc)
+        listed = read_parts_manifest(packed_model_dir(packed))
+        checked = parts is not None and listed is not None and listed[0] == parts
         path = gguf_path(packed)
         ok = path.is_file() and verified_sha256(path) == packed.sha256
-        out.append(PairModel(role, packed, parts, problem, path, ok))
+        out.append(PairModel(role, packed, parts, problem, checked, path, ok))
     return out
 
 
@@ -138,7 +143,7 @@ def describe(folder: str, path: Path) -> tuple[str, str]:
     if folder == "converted" and (m := _CONVERTED.fullmatch(name)):
         return m["model"], "fp32 safetensors"
     if folder == "models" and (m := _CONVERTED.fullmatch(name)):
-        return m["model"], "config, tokenizer, link to the GGUF"
+        return m["model"], "config, tokenizer, where the GGUF is"
     if folder == "quantized" and (m := _QUANTIZED.fullmatch(name)):
         model = _CONVERTED.fullmatch(m["model"])
         return (model["model"] if model else m["model"]), f"{m['mode']}, {m['dtype']}"
@@ -179,7 +184,7 @@ def show_pair(console: Console, pair: list[PairModel]) -> None:
                   title_justify="left", show_lines=True)
     table.add_column("role")
     table.add_column("model")
-    table.add_column("packages (GGUF parts) and assembled GGUF", overflow="fold")
+    table.add_column("packages (GGUF parts, read in place)", overflow="fold")
     for m in pair:
         if m.parts is None:
             why = m.problem.removeprefix("The default model pair is not installed ").split(". Install")[0]
@@ -188,9 +193,14 @@ def show_pair(console: Console, pair: list[PairModel]) -> None:
             held = sum(p.stat().st_size for p in m.parts)
             packages = (f"[green]installed[/green]: {len(m.parts)} packages, {human(held)}, "
                         f"in {escape(os.path.commonpath(m.parts))}")
-        state = ("[green]sha256 checked[/green]" if m.gguf_ok else
-                 "present, not checked" if m.gguf.is_file() else "not assembled yet (the first run does it)")
-        table.add_row(m.role, m.packed.name, f"{packages}\nGGUF: {escape(str(m.gguf))} ({state})")
+        if m.parts is not None:
+            packages += ", [green]sha256 checked[/green]" if m.checked else ", sha256 not checked yet (the first run does it)"
+        row = packages
+        if m.gguf.is_file():
+            state = "sha256 checked" if m.gguf_ok else "not checked"
+            row += (f"\nassembled copy {escape(str(m.gguf))} ({state}): only eval's llama.cpp and "
+                    f"transformers baselines read it; delete it freely")
+        table.add_row(m.role, m.packed.name, row)
     console.print(table)
     if any(m.parts is None for m in pair):
         console.print(f"Install the pair with:  {escape(INSTALL_COMMAND)}")

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from specdec.target.default_pair import PARTS_NAME, read_parts_manifest, verified_sha256
 from specdec.target.gguf_file import GGUFFile
 
 GGUF_NAME = "model.gguf"  # the weights of a folder made from a GGUF file (a link to it)
@@ -43,9 +44,22 @@ class CheckpointReader(Protocol):
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """The files that hold a folder's weights (what a cache of its conversion is keyed on)."""
+    """The files that say where a folder's weights are (what a cache of its conversion is keyed
+    on): the GGUF link, the manifest of a GGUF's parts, or the safetensors."""
+    for name in (GGUF_NAME, PARTS_NAME):
+        if (Path(folder) / name).exists():
+            return [Path(folder) / name]
+    return sorted(Path(folder).glob("*.safetensors"))
+
+
+def checkpoint_sha256(folder: Path) -> str | None:
+    """The sha256 of a folder's weights where something already vouched for it (the default
+    pair's GGUF files, checked once when installed: `default_pair`); None otherwise."""
+    listed = read_parts_manifest(folder)
+    if listed is not None:
+        return listed[1]
     gguf = Path(folder) / GGUF_NAME
-    return [gguf] if gguf.exists() else sorted(Path(folder).glob("*.safetensors"))
+    return verified_sha256(gguf.resolve()) if gguf.exists() else None
 
 
 @contextlib.contextmanager
@@ -53,7 +67,14 @@ def open_checkpoint(folder: Path):
     """A `CheckpointReader` over the weights of `folder` (see the module docstring)."""
     folder = Path(folder)
     if (folder / GGUF_NAME).exists():
-        yield GGUFCheckpoint(folder / GGUF_NAME, folder)
+        yield GGUFCheckpoint([(folder / GGUF_NAME).resolve()], folder)
+        return
+    if (folder / PARTS_NAME).exists():
+        listed = read_parts_manifest(folder)
+        if listed is None:
+            raise ValueError(f"the GGUF parts listed in {folder / PARTS_NAME} changed since they were "
+                             f"checked; resolve the model again (specdec checks them once more)")
+        yield GGUFCheckpoint(listed[0], folder)
         return
     files = weight_files(folder)
     if not files:
@@ -74,13 +95,14 @@ class SafetensorsCheckpoint:
 
 
 class GGUFCheckpoint:
-    """The tensors of a GGUF file under their Hugging Face names (config.json of `folder`)."""
+    """The tensors of a GGUF file (one file, or its parts in order) under their Hugging Face
+    names (config.json of `folder`)."""
 
-    def __init__(self, path: Path, folder: Path) -> None:
+    def __init__(self, paths: list[Path], folder: Path) -> None:
         from transformers import AutoConfig
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-        self.file = GGUFFile.open(path.resolve())
+        self.file = GGUFFile.open(paths)
         hf_config = AutoConfig.from_pretrained(str(folder))
         architecture = self.file.metadata["general.architecture"]
         self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())

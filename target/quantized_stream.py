@@ -39,10 +39,14 @@ from specdec.target.runner import ModelRunner, Window
 def stream_quantized(
     model_dir: Path, config: ModelConfig, mode: str, dtype: torch.dtype,
     calibration_ids: Callable[[], list[int]], progress: bool = True,
+    stats: dict[str, torch.Tensor] | None = None, keep_stats: dict[str, torch.Tensor] | None = None,
 ) -> tuple[LlamaForCausalLM, dict[str, float]]:
     """The model of `model_dir` with its linears in `mode`'s format and the rest in `dtype`, and
     the seconds spent per phase (`read`: read and dequantize, `quantize`, `calibrate`: the float
-    forward of a smoothing mode, without the reading and converting done inside it)."""
+    forward of a smoothing mode, without the reading and converting done inside it).
+
+    A smoothing mode takes the input maxima `stats` when given (shipped ones: `shipped_stats`)
+    instead of calibrating; `keep_stats` receives those a calibration measured."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {sorted(MODES)}, got {mode!r}")
     quant = MODES[mode]
@@ -58,8 +62,12 @@ def stream_quantized(
         bar = tqdm(total=config.num_layers + 1, desc=f"quantizing to {mode} (once; cached)", unit="layer",
                    leave=False, disable=not progress)
         with bar:
-            if quant.smooth:
-                layers.calibrate_and_convert(calibration_ids(), bar)
+            if quant.smooth and stats is not None:
+                layers.smooth_and_convert(stats, bar)
+            elif quant.smooth:
+                measured = layers.calibrate_and_convert(calibration_ids(), bar)
+                if keep_stats is not None:
+                    keep_stats.update(measured)
             else:
                 layers.convert_in_order(bar)
     return model, layers.seconds
@@ -101,8 +109,26 @@ class _LayerLoader:
         self._convert_head()
         bar.update()
 
-    def calibrate_and_convert(self, token_ids: list[int], bar: tqdm) -> None:
-        """SmoothQuant: one float forward over `token_ids` reads and converts the layers in turn."""
+    def smooth_and_convert(self, stats: dict[str, torch.Tensor], bar: tqdm) -> None:
+        """SmoothQuant from known input maxima: every part in turn, smoothed before converting."""
+        self.fill("model.embed_tokens")
+        self.convert("model.embed_tokens")
+        for i in range(len(self.model.model.layers)):
+            self.fill(f"model.layers.{i}")
+            with _plain_tensors():
+                smooth_layer(self.model, i, stats)
+            self.convert(f"model.layers.{i}")
+            bar.update()
+        self.fill("model.norm")
+        self.fill("lm_head")
+        with _plain_tensors():
+            smooth_head(self.model, stats)
+        self._convert_head()
+        bar.update()
+
+    def calibrate_and_convert(self, token_ids: list[int], bar: tqdm) -> dict[str, torch.Tensor]:
+        """SmoothQuant: one float forward over `token_ids` reads and converts the layers in turn;
+        returns the input maxima it measured."""
         model = self.model
         self.fill("model.embed_tokens")
         self.fill("model.norm")
@@ -134,6 +160,7 @@ class _LayerLoader:
             smooth_head(model, stats)
         self._convert_head()
         bar.update()
+        return stats
 
     def _convert_head(self) -> None:
         """The final norm and LM head, then whatever a model has beyond the layers and these

@@ -45,8 +45,10 @@ def layout_key(sources: tuple[Path, ...] = LAYOUT_SOURCES) -> str:
 
 
 def quant_cache_path(model_dir: Path, mode: str, dtype: torch.dtype) -> Path:
-    # A GGUF folder's `model.gguf` is a link: stat() follows it to the file's size and mtime.
-    files = sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.gguf"))
+    # A GGUF folder's `model.gguf` is a link: stat() follows it to the file's size and mtime; the
+    # default pair's `model.gguf.parts` is rewritten whenever its parts change.
+    files = (sorted(Path(model_dir).glob("*.safetensors")) + sorted(Path(model_dir).glob("*.gguf"))
+             + sorted(Path(model_dir).glob("*.gguf.parts")))
     key = "|".join([layout_key(), str(Path(model_dir).resolve()), mode, str(dtype)]
                    + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files])
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -31,6 +31,9 @@ import torch
 from torch import nn
 
 ALPHA = 0.5
+# The linears of a decoder layer whose input maxima smoothing reads (q/k/v share q's input,
+# gate/up share gate's); the LM head's is read as "lm_head".
+SMOOTHED_INPUTS = ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj", "self_attn.o_proj")
 
 CALIBRATION_FILE = Path(__file__).with_name("calibration.txt")  # package data
 

@@ -62,8 +62,8 @@ def test_shows_the_pair_and_how_to_remove_it(cache, capsys, monkeypatch):
     assert main(["models"]) == 0
     out = capsys.readouterr().out
     assert "not installed" in out and default_pair.INSTALL_COMMAND in out
-    assert f"{default_pair.gguf_path(DEFAULT_TARGET)} (sha256 checked)" in out
-    assert f"{default_pair.gguf_path(DEFAULT_DRAFT)} (not assembled yet" in out
+    assert f"assembled copy {default_pair.gguf_path(DEFAULT_TARGET)} (sha256 checked)" in out
+    assert str(default_pair.gguf_path(DEFAULT_DRAFT)) not in out  # never assembled
     paths = " ".join(str(cache / name) for name in ("gguf", "converted", "quantized", "kernels"))
     assert f"rm -rf {paths}\n" in out  # specdec's own folders only: notes/ is not in it
     assert "specdec models --remove-cache" in out

@@ -11,7 +11,7 @@ import torch
 from specdec.target import quantized_stream
 from specdec.target.checkpoint_reader import GGUFCheckpoint
 from specdec.target.model_files import resolve_model
-from specdec.target.model_weights import load_model
+from specdec.target.model_weights import load_config, load_model
 from specdec.target.quant.cache_file import quant_cache_path
 from specdec.target.quant.convert import quantize_model
 from specdec.target.quant.formats import MODES
@@ -117,9 +117,9 @@ def _dense_path(folder, mode: str) -> dict[str, torch.Tensor]:
 
 
 def _calibration_ids(folder) -> list[int]:
-    from specdec.target.model_weights import _calibration_ids
+    from specdec.target.model_weights import calibration_ids
 
-    return _calibration_ids(folder)
+    return calibration_ids(folder)
 
 
 def test_gguf_folder_holds_no_weights_only_metadata_and_a_link(gguf_folder):
@@ -159,6 +159,38 @@ def test_streamed_quantization_is_bitwise_the_dense_path(gguf_folder, mode):
     for name, tensor in expected.items():
         assert torch.equal(cached[name], tensor), name
     assert model(*_prompt_inputs(model)).isfinite().all()
+
+
+def test_shipped_statistics_give_the_bytes_of_a_calibrating_load(gguf_folder, tmp_path, monkeypatch):
+    """A checkpoint with shipped SmoothQuant statistics skips the calibration forward and still
+    writes exactly the cache file that calibrating wrote; statistics of other weights are not
+    taken (the key is the checkpoint's sha256)."""
+    from specdec.target.quant import shipped_stats
+
+    calibrated = quant_cache_path(gguf_folder, "w8a8", torch.bfloat16)
+    load_model(gguf_folder, torch.bfloat16, quant="w8a8")
+    expected = calibrated.read_bytes()
+    calibrated.unlink()
+
+    stats: dict[str, torch.Tensor] = {}
+    config = load_config(gguf_folder)
+    quantized_stream.stream_quantized(gguf_folder, config, "w8a8", torch.bfloat16,
+                                      lambda: _calibration_ids(gguf_folder), progress=False, keep_stats=stats)
+    monkeypatch.setattr(shipped_stats, "STATS_DIR", tmp_path / "stats")
+    shipped_stats.save_stats(stats, config.num_layers, shipped_stats.stats_path("ab" * 32))
+    monkeypatch.setattr("specdec.target.model_weights.checkpoint_sha256", lambda folder: "ab" * 32)
+    monkeypatch.setattr(quantized_stream, "calibration_forward", _no_calibration)
+    load_model(gguf_folder, torch.bfloat16, quant="w8a8")
+    assert calibrated.read_bytes() == expected
+
+    calibrated.unlink()
+    monkeypatch.setattr("specdec.target.model_weights.checkpoint_sha256", lambda folder: "cd" * 32)
+    with pytest.raises(AssertionError, match="calibrated"):
+        load_model(gguf_folder, torch.bfloat16, quant="w8a8")  # no stats for these weights
+
+
+def _no_calibration(model, token_ids):
+    raise AssertionError("calibrated although statistics were shipped")
 
 
 def _prompt_inputs(model):
@@ -217,7 +249,7 @@ def test_safetensors_folder_streams_to_the_same_cache(tmp_path, monkeypatch):
 
     from specdec.testing import tiny_hf_model
 
-    monkeypatch.setattr("specdec.target.model_weights._calibration_ids", lambda folder: IDS)
+    monkeypatch.setattr("specdec.target.model_weights.calibration_ids", lambda folder: IDS)
     folder = tmp_path / "hf"
     tiny_hf_model("qwen2").save_pretrained(folder)
     expected = _dense_path(folder, "w8a8")

@@ -317,3 +317,48 @@ def test_assemble_rejects_a_wrong_checksum_and_leaves_nothing(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="sha256"):
         default_pair.assemble(packed, progress=False)
     assert list((default_pair.cache_dir() / "gguf").iterdir()) == []
+
+
+def test_default_model_reads_its_packages_in_place_checked_once(tmp_path, monkeypatch):
+    """A default model's GGUF is read from its package chunks where they lie (chunk boundaries cut
+    through the header and the tensors), equal to the one file; the sha256 is checked on the first
+    resolve only, again when a chunk changes, and nothing is assembled into the cache."""
+    import hashlib
+
+    from specdec.target.checkpoint_reader import open_checkpoint
+    from specdec.target.gguf_file import GGUFFile
+
+    tokenizer = build_tiny_tokenizer()
+    whole = tmp_path / "tiny.gguf"
+    _write_gguf(whole, _tiny_llama(tokenizer), tokenizer)
+    data = whole.read_bytes()
+    cuts = [0, 1000, len(data) // 2 + 7, len(data)]  # the first cut is inside the metadata
+    parts = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        parts.append(tmp_path / f"part{i:02d}.bin")
+        parts[-1].write_bytes(data[a:b])
+    packed = default_pair.PackedModel(name="Tiny", dist_prefix="tiny-part", num_parts=3, version="0",
+                                      size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(default_pair, "find_parts", lambda p: parts)
+
+    folder = model_files.prepare_packed(packed, progress=False)
+    assert (folder / default_pair.PARTS_NAME).is_file() and not (folder / "model.gguf").exists()
+    assert not (default_pair.cache_dir() / "gguf").exists()
+    single = GGUFFile.open(whole)
+    with open_checkpoint(folder) as reader:
+        assert sorted(reader.names()) and reader.file.tensors == single.tensors
+        for name in reader.names():
+            gguf_name = reader._gguf_name[name]
+            assert np.array_equal(reader.file.raw(gguf_name), single.raw(gguf_name)), name
+
+    hashed = []
+    monkeypatch.setattr(default_pair, "_copy_parts", lambda *a: hashed.append(1) or packed.sha256)
+    assert model_files.prepare_packed(packed, progress=False) == folder and not hashed
+    parts[1].write_bytes(data[cuts[1]:cuts[2]])  # rewritten (a reinstall): checked again
+    model_files.prepare_packed(packed, progress=False)
+    assert hashed == [1]
+
+    monkeypatch.setattr(default_pair, "_copy_parts", lambda *a: "0" * 64)
+    parts[2].write_bytes(data[cuts[2]:])
+    with pytest.raises(RuntimeError, match="sha256"):
+        model_files.prepare_packed(packed, progress=False)
