@@ -29,6 +29,7 @@ from specdec.api.schemas import (
     ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields,
 )
 from specdec.api.state import ServerState, server_state
+from specdec.api.tools import ToolDefinition
 from specdec.sampling_params import SamplingParams, StructuredSpec
 from specdec.sequence import StepDelta, TokenLogprobs
 from specdec.verify import AcceptanceStats
@@ -41,9 +42,13 @@ _SEED_MODULUS = 2**63  # choice i samples with seed + i, wrapped into SamplingPa
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = server_state(request)
     state.check_model(body.model)
-    prompt_ids = state.chat_prompt_ids([m.as_template_dict() for m in body.messages])
-    fmt = ChatFormat(state.settings.model_name, body.include_usage, body.num_choices, _token_texts(state, body))
-    return await _generate(request, state, body, prompt_ids, fmt, "messages")
+    tool_use = body.tool_use
+    tool_grammar = state.tool_grammar(tool_use)
+    prompt_ids = state.chat_prompt_ids([m.as_template_dict() for m in body.messages],
+                                       tools=tool_use.template_tools())
+    fmt = ChatFormat(state.settings.model_name, body.include_usage, body.num_choices, _token_texts(state, body),
+                     parse_tool_calls=tool_use.active)
+    return await _generate(request, state, body, prompt_ids, fmt, "messages", tool_grammar)
 
 
 @router.post("/v1/completions", tags=["openai"], responses=ERROR_RESPONSES)
@@ -63,18 +68,20 @@ def _token_texts(state: ServerState, body: GenerationFields) -> TokenTexts | Non
 
 async def _generate(
     request: Request, state: ServerState, body: GenerationFields, prompt_ids: list[int],
-    fmt: ResponseFormat, prompt_param: str,
+    fmt: ResponseFormat, prompt_param: str, tool_grammar: StructuredSpec | None = None,
 ) -> Any:
     info = state.info()
     max_tokens = _max_tokens(body.requested_max_tokens(), len(prompt_ids), info.max_model_len, prompt_param)
     try:
-        params = body.sampling_params(max_tokens, info.vocab_size)
+        params = body.sampling_params(max_tokens, info.vocab_size, tool_grammar)
     except FieldError as exc:
         raise APIError(400, str(exc), exc.param, "invalid_value") from exc
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from exc
+    if tool_grammar is not None:
+        await _check_tool_schemas(info, body.tools or [])
     if params.structured is not None:
-        await _check_grammar(info, params.structured)
+        await _check_grammar(info, params.structured, "tools" if tool_grammar is not None else "response_format")
     active = ActiveRequest.admit(state, fmt.id, len(prompt_ids), body.num_choices)
     try:
         stream = state.engine.submit_all(active.generation_requests(prompt_ids, params, body))
@@ -89,16 +96,28 @@ async def _generate(
     return await _collect(request, active, stream, fmt)
 
 
-async def _check_grammar(info: EngineInfo, spec: StructuredSpec) -> None:
-    """A schema the grammar compiler refuses is a 400 naming `response_format`, before anything is
-    queued or streamed. Compiled off the event loop (the first one compiles the tokenizer's token
-    table, ~2 s on a 152k vocabulary); the engine finds it cached."""
+async def _check_grammar(info: EngineInfo, spec: StructuredSpec, param: str) -> None:
+    """A schema the grammar compiler refuses is a 400 naming `param` (`response_format`, or
+    `tools` for the tool calls' grammar), before anything is queued or streamed. Compiled off the
+    event loop (the first one compiles the tokenizer's token table, ~2 s on a 152k vocabulary);
+    the engine finds it cached."""
     if info.grammars is None:
-        raise APIError(400, "structured output needs a tokenizer", "response_format", "invalid_value")
+        raise APIError(400, "structured output needs a tokenizer", param, "invalid_value")
     try:
         await asyncio.to_thread(info.grammars.grammar, spec)
     except ValueError as exc:
-        raise APIError(400, str(exc), "response_format", "invalid_value") from exc
+        raise APIError(400, str(exc), param, "invalid_value") from exc
+
+
+async def _check_tool_schemas(info: EngineInfo, tools: list[ToolDefinition]) -> None:
+    """Each function's parameters compile as a JSON schema, or a 400 names that tool's."""
+    for i, tool in enumerate(tools):
+        param = f"tools.{i}.function.parameters"
+        try:
+            spec = StructuredSpec.json_schema(tool.function.parameters or {"type": "object"})
+        except ValueError as exc:
+            raise APIError(400, str(exc), param, "invalid_value") from exc
+        await _check_grammar(info, spec, param)
 
 
 def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str) -> int:
@@ -240,9 +259,11 @@ async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: Respons
         async for delta in stream:
             choice = active.on_delta(delta)
             if delta.token_ids or delta.text:
-                yield _data(fmt.delta_chunk(choice.index, delta))
+                for chunk in fmt.delta_chunks(choice.index, delta):
+                    yield _data(chunk)
             if delta.finished:
-                yield _data(fmt.finish_chunk(choice.index, choice.finish_reason))
+                for chunk in fmt.finish_chunks(choice.index, choice.finish_reason):
+                    yield _data(chunk)
         if fmt.include_usage:
             yield _data(fmt.usage_chunk(active.usage))
         active.close("stop")

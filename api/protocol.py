@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from specdec.api.tool_calls import ToolCallParser, finish_reason, split_tool_calls, stream_delta
 from specdec.sequence import StepDelta, TokenLogprobs
 
 
@@ -89,13 +90,13 @@ class ResponseFormat:
             return []
         return [self._chunk([self._choice(i, self.echo, None, None)]) for i in range(self.n)]
 
-    def delta_chunk(self, index: int, delta: StepDelta) -> dict[str, Any]:
+    def delta_chunks(self, index: int, delta: StepDelta) -> list[dict[str, Any]]:
         chunk = self._chunk([self._choice(index, delta.text, None, self._stream_logprobs(index, delta))])
         chunk["specdec"] = step_extension(delta)
-        return chunk
+        return [chunk]
 
-    def finish_chunk(self, index: int, finish_reason: str) -> dict[str, Any]:
-        return self._chunk([self._choice(index, None, finish_reason, None)])
+    def finish_chunks(self, index: int, finish_reason: str) -> list[dict[str, Any]]:
+        return [self._chunk([self._choice(index, None, finish_reason, None)])]
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         chunk = self._chunk([])
@@ -148,11 +149,39 @@ class CompletionFormat(ResponseFormat):
 
 @dataclass
 class ChatFormat(ResponseFormat):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. With `parse_tool_calls` (tools offered), each choice's text goes
+    through a `ToolCallParser`: streamed, a step's chunk carries the step's first delta (content or
+    tool call; `{}` while the parser holds text back) with its logprobs and `specdec` field, and
+    its further deltas follow in chunks of their own (the extension's `pieces` are then the raw text)."""
+
+    parse_tool_calls: bool = False
 
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._parsers = [ToolCallParser() for _ in range(self.n)] if self.parse_tool_calls else None
+
+    def delta_chunks(self, index: int, delta: StepDelta) -> list[dict[str, Any]]:
+        if self._parsers is None:
+            return super().delta_chunks(index, delta)
+        deltas = [stream_delta(event) for event in self._parsers[index].feed(delta.text)] or [{}]
+        chunks = [self._chunk([self._delta_choice(index, d, None)]) for d in deltas]
+        chunks[0]["choices"][0]["logprobs"] = self._stream_logprobs(index, delta)
+        chunks[0]["specdec"] = step_extension(delta)
+        return chunks
+
+    def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
+        if self._parsers is None:
+            return super().finish_chunks(index, reason)
+        parser = self._parsers[index]
+        chunks = [self._chunk([self._delta_choice(index, stream_delta(event), None)]) for event in parser.finish()]
+        return chunks + super().finish_chunks(index, finish_reason(reason, parser))
+
+    def _delta_choice(self, index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -167,5 +196,11 @@ class ChatFormat(ResponseFormat):
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _final_choice(self, index: int, choice: ChoiceOutput) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": self._final_logprobs(choice), "finish_reason": choice.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        reason = choice.finish_reason
+        if self.parse_tool_calls:
+            message["content"], calls = split_tool_calls(choice.text)
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": index, "message": message, "logprobs": self._final_logprobs(choice), "finish_reason": reason}

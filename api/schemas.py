@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from specdec.api.messages import ChatMessage, TextPart  # noqa: F401 - TextPart: part of this module's API
+from specdec.api.tools import ToolChoice, ToolDefinition, ToolUse, check_tool_choice, check_tools
 from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams, StructuredSpec
 
 _FLOAT = dict(allow_inf_nan=False)
@@ -176,8 +178,10 @@ class GenerationFields(BaseModel):
         """SamplingParams.logprobs: None = off, N = the token's logprob and N alternatives."""
         return None
 
-    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
-        """The engine's parameters for this request. Raises FieldError naming the field."""
+    def sampling_params(self, max_tokens: int, vocab_size: int,
+                        tool_grammar: StructuredSpec | None = None) -> SamplingParams:
+        """The engine's parameters for this request (`tool_grammar`: the tool calls' grammar, which
+        takes the place of `response_format`). Raises FieldError naming the field."""
         for name, ids in (("logit_bias", [int(k) for k in self.logit_bias or {}]),
                           ("stop_token_ids", self.stop_token_ids or [])):
             if any(i >= vocab_size for i in ids):
@@ -185,8 +189,11 @@ class GenerationFields(BaseModel):
         if (self.min_tokens or 0) > max_tokens:
             raise FieldError("min_tokens", f"{self.min_tokens} is more than max_tokens ({max_tokens})")
         structured = self.response_format.structured() if self.response_format is not None else None
+        if structured is not None and tool_grammar is not None:
+            raise FieldError("response_format", "cannot be combined with tools (unless tool_choice is 'none')")
+        structured, param = (tool_grammar, "tool_choice") if tool_grammar is not None else (structured, "response_format")
         if structured is not None and (self.ignore_eos or self.min_tokens):
-            raise FieldError("response_format", "cannot be combined with ignore_eos or min_tokens: the "
+            raise FieldError(param, "cannot be combined with ignore_eos or min_tokens: the "
                              "grammar decides where the answer ends")
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -208,43 +215,6 @@ class GenerationFields(BaseModel):
         )
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    """One message; `name` and `tool_call_id` reach the chat template, which may use them."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    refusal: str | None = None  # an earlier answer's refusal: no effect (templates do not show it)
-    tool_calls: list[dict[str, Any]] | None = None
-    function_call: dict[str, Any] | None = None
-
-    @field_validator("tool_calls", "function_call")
-    @classmethod
-    def _no_tool_calls(cls, value: Any) -> Any:
-        if value:
-            raise ValueError("tool calls are not supported")
-        return value
-
-    def as_template_dict(self) -> dict[str, str]:
-        """What a chat template sees: role and plain-text content (and name / tool_call_id if set)."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
-        message.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v})
-        return message
-
-
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions."""
 
@@ -258,10 +228,11 @@ class ChatCompletionRequest(GenerationFields):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    parallel_tool_calls: bool | None = None  # tools are refused, so there is nothing to parallelize
-    # refused (tool calling)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    # tool calling (specdec.api.tools)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # refused: the legacy form of tools
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -272,19 +243,33 @@ class ChatCompletionRequest(GenerationFields):
             raise ValueError("top_logprobs needs logprobs=true")
         return value
 
-    @field_validator("tools", "functions")
+    @field_validator("tools")
     @classmethod
-    def _no_tools(cls, value: list | None) -> list | None:
+    def _unique_tools(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        return check_tools(tools)
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _known_tool(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        return check_tool_choice(choice, info.data.get("tools"))
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, value: list | None) -> list | None:
         if value:
-            raise ValueError("tool calling is not supported")
+            raise ValueError("the legacy functions field is not supported; send tools")
         return value
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tool_choice(cls, value: str | dict | None) -> str | dict | None:
+    def _no_function_call(cls, value: str | dict | None) -> str | dict | None:
         if value not in (None, "none"):
-            raise ValueError("tool calling is not supported; only 'none' is accepted")
+            raise ValueError("the legacy function_call field is not supported; send tool_choice")
         return value
+
+    @property
+    def tool_use(self) -> ToolUse:
+        return ToolUse(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

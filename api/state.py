@@ -13,6 +13,8 @@ from specdec.api.engine_loop import AsyncEngine, EngineInfo
 from specdec.api.errors import APIError
 from specdec.api.logprobs import TokenTexts
 from specdec.api.metrics import ServerMetrics
+from specdec.api.tools import ToolUse, template_supports_tools, tool_tags_are_tokens
+from specdec.sampling_params import StructuredSpec
 
 
 @dataclass
@@ -86,18 +88,30 @@ class ServerState:
             self._token_texts = TokenTexts(self.tokenizer)
         return self._token_texts
 
-    def chat_prompt_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         tokenizer = self.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages",
                            "no_chat_template")
         try:
             ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
             )
         except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
             raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
         return self._checked(list(ids), "messages")
+
+    def tool_grammar(self, tool_use: ToolUse) -> StructuredSpec | None:
+        """The grammar of an answer with tools (None without): calls in the `<tool_call>` format,
+        which the chat template must be written for (Qwen2.5's is)."""
+        if not tool_use.active:
+            return None
+        tokenizer = self.tokenizer
+        if tokenizer is None or not template_supports_tools(tokenizer):
+            raise APIError(400, "this model's chat template does not offer tools in the <tool_call> format "
+                           "(Hermes / Qwen2.5)", "tools", "invalid_value")
+        return tool_use.structured(tool_tags_are_tokens(tokenizer))
 
     def completion_prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
         if isinstance(prompt, str):

@@ -14,14 +14,15 @@ MAX_LOGIT_BIAS = 300  # entries in logit_bias (OpenAI's limit)
 @dataclass(frozen=True)
 class StructuredSpec:
     """What the answer must match (structured output, `specdec.structured`): any JSON object
-    (`json_object()`, OpenAI's JSON mode), a JSON schema (`json_schema(schema)`) or a regular
-    expression (`regex(pattern)`). `source` is the schema as JSON text, or the pattern;
+    (`json_object()`, OpenAI's JSON mode), a JSON schema (`json_schema(schema)`), a regular
+    expression (`regex(pattern)`) or an llguidance Lark grammar (`lark(grammar)`, e.g. tool calls:
+    `specdec.tool_grammar`). `source` is the schema as JSON text, the pattern or the grammar;
     specs compare equal by it, so an engine compiles each grammar once.
 
     >>> SamplingParams(structured=StructuredSpec.json_schema({"type": "array", "items": {"type": "integer"}}))
     """
 
-    kind: Literal["json_object", "json_schema", "regex"]
+    kind: Literal["json_object", "json_schema", "regex", "lark"]
     source: str = ""
 
     @classmethod
@@ -44,6 +45,12 @@ class StructuredSpec:
         if not isinstance(pattern, str) or not pattern:
             raise ValueError("a regex must be a non-empty string")
         return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> "StructuredSpec":
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise ValueError("a lark grammar must be a non-empty string")
+        return cls("lark", grammar)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Structured output: a grammar (JSON object, JSON schema, regex) as a `TokenConstraint`, on
+"""Structured output: a grammar (JSON object, JSON schema, regex, Lark) as a `TokenConstraint`, on
 llguidance.
 
 Why llguidance (measured on the default pair's 151,936-token vocabulary, one core,
@@ -154,6 +154,8 @@ def _to_grammar(spec: StructuredSpec) -> str:
 
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.source)
     schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)

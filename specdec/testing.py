@@ -64,8 +64,17 @@ def tiny_pair(arch: str = "llama", seed: int = 0, **overrides):
     return target, draft
 
 
-TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# ChatML; with `tools`, a system block listing them and assistant tool calls in Qwen2.5's format
+# (plain conversations render exactly as before).
+TINY_CHAT_TEMPLATE = (  # transformers renders with trim_blocks: a newline after a tag is written as {{ nl }}
+    "{% set nl = '\\n' %}"
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ nl }}{{ t | tojson }}{% endfor %}{{ nl }}"
+    "</tools><|im_end|>{{ nl }}{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+    "{% if m['role'] == 'assistant' and m['tool_calls'] %}{% if m['content'] %}{{ nl }}{{ m['content'] }}{% endif %}"
+    "{% for c in m['tool_calls'] %}{{ nl }}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": "
+    "{{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}"
+    "{% else %}{{ nl }}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _CORPUS = [
@@ -76,8 +85,10 @@ _CORPUS = [
 ]
 
 
-def tiny_tokenizer(vocab_size: int = 384):
-    """A byte-level BPE tokenizer trained here on a few lines, with a ChatML template and specials."""
+def tiny_tokenizer(vocab_size: int = 384, tool_tokens: bool = False):
+    """A byte-level BPE tokenizer trained here on a few lines, with a ChatML template and specials;
+    `tool_tokens`: `<tool_call>` and `</tool_call>` are single (added, not special) tokens after
+    them, as in Qwen2.5's vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -95,15 +106,19 @@ def tiny_tokenizer(vocab_size: int = 384):
         additional_special_tokens=specials[1:],
     )
     fast.chat_template = TINY_CHAT_TEMPLATE
+    if tool_tokens:
+        fast.add_tokens(["<tool_call>", "</tool_call>"])
     return fast
 
 
-def tiny_engine_parts(seed: int = 0):
-    """(target, draft, tokenizer): a tiny random pair whose vocabulary is the tiny tokenizer's."""
-    tokenizer = tiny_tokenizer()
+def tiny_engine_parts(seed: int = 0, tool_tokens: bool = False, max_len: int = 512):
+    """(target, draft, tokenizer): a tiny random pair whose vocabulary is the tiny tokenizer's
+    (`tool_tokens`: see `tiny_tokenizer`), with a context of `max_len` positions."""
+    tokenizer = tiny_tokenizer(tool_tokens=tool_tokens)
     vocab = len(tokenizer)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    target, draft = tiny_pair("qwen2", seed, vocab_size=vocab, eos_token_id=eos, bos_token_id=None)
+    target, draft = tiny_pair("qwen2", seed, vocab_size=vocab, eos_token_id=eos, bos_token_id=None,
+                              max_position_embeddings=max_len)
     return target, draft, tokenizer
 
 

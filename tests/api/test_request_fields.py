@@ -59,9 +59,9 @@ CHAT_FIELDS = SHARED | {
     "service_tier": ("no effect", "auto"),
     "prompt_cache_key": ("no effect", "key-1"),
     "safety_identifier": ("no effect", "hashed-user"),
-    "parallel_tool_calls": ("no effect", True),
-    "tools": ("refused", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    "tool_choice": ("refused", "auto"),
+    "tools": ("honoured", "test_tools::test_required_and_named_calls_validate"),
+    "tool_choice": ("honoured", "test_tools::test_tool_choice_none_leaves_the_tools_out"),
+    "parallel_tool_calls": ("honoured", "test_tools::test_parallel_calls_each_validate"),
     "functions": ("refused", [{"name": "f", "parameters": {}}]),
     "function_call": ("refused", "auto"),
 }
@@ -78,7 +78,7 @@ MESSAGE_FIELDS = {
     "name": ("honoured", "test_request_fields::test_message_name_and_tool_call_id_reach_the_template"),
     "tool_call_id": ("honoured", "test_request_fields::test_message_name_and_tool_call_id_reach_the_template"),
     "refusal": ("no effect", "I can't help with that."),
-    "tool_calls": ("refused", [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]),
+    "tool_calls": ("honoured", "test_tools::test_the_conversation_continues_after_a_tool_message"),
     "function_call": ("refused", {"name": "f", "arguments": "{}"}),
 }
 STREAM_OPTION_FIELDS = {"include_usage": ("honoured", OPENAI + "test_chat_stream_equals_non_stream")}
@@ -127,7 +127,7 @@ def test_refused_fields_get_a_400_naming_them(server, path, field, value):
     assert_error(httpx.post(server.url + path, json=body, timeout=30), 400, field)
 
 
-@pytest.mark.parametrize("field", ["tool_calls", "function_call"])
+@pytest.mark.parametrize("field", ["function_call"])
 def test_refused_message_fields_get_a_400_naming_them(server, field):
     message = {"role": "assistant", "content": "", field: MESSAGE_FIELDS[field][1]}
     body = chat_body() | {"messages": [{"role": "user", "content": "hi"}, message]}

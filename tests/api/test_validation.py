@@ -75,7 +75,7 @@ CASES = [
     ("unknown field", CHAT, chat_body(guided_json={"type": "object"}), 400, "guided_json", "unknown_parameter"),
     ("unknown field in a message", CHAT, chat_body() | {"messages": [{"role": "user", "content": "x", "x": 1}]},
      400, "messages.0.x", "unknown_parameter"),
-    ("tools", CHAT, chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools", "?"),
+    ("tools without a function", CHAT, chat_body(tools=[{"type": "function"}]), 400, "tools.0.function", "?"),
     ("stream_options not an object", CHAT, chat_body(stream=True, stream_options=3), 400, "stream_options", "?"),
     ("k too large", CHAT, chat_body(num_speculative_tokens=17), 400, "num_speculative_tokens", "?"),
     ("batched prompts", COMPLETIONS, completion_body(prompt=["a", "b"]), 400, "prompt", "?"),

@@ -1,0 +1,202 @@
+"""Tool calls, answer side: `<tool_call>` blocks parsed out of the generated text, as it streams
+or whole (a whole answer is parsed by the same streaming parser, so the two agree).
+
+Streamed as OpenAI streams them: text before a call as `content` deltas; a call's first delta once
+its name is known (`index`, `id`, `type`, `function.name`, `function.arguments: ""`), then its
+arguments in pieces as they are generated. `function.arguments` is the model's own JSON text of
+the arguments (compact, in the schema's property order when the call was constrained).
+
+Text that may still turn into a tag (`<tool_c...`) and whitespace before a call are held back;
+whitespace next to a call is dropped. A call whose JSON does not parse (only possible without a
+constraint) is returned as content; a call cut off by max_tokens: see `ToolCallParser.finish`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.tool_grammar import CLOSE_TAG, OPEN_TAG
+
+_HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+@dataclass
+class ContentDelta:
+    text: str
+
+
+@dataclass
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass
+class ArgumentsDelta:
+    index: int
+    text: str
+
+
+Event = ContentDelta | CallStart | ArgumentsDelta
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tag_prefix_len(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    """Feeds on text pieces, yields `Event`s.
+
+    >>> p = ToolCallParser()
+    >>> p.feed('Sure.\\n<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>') + p.finish()
+    [ContentDelta(text='Sure.'), CallStart(index=0, id='call_...', name='f'), ArgumentsDelta(index=0, text='{"x": 1}')]
+    """
+
+    def __init__(self) -> None:
+        self._text = ""  # text mode: held back
+        self._body: str | None = None  # call mode: the text after <tool_call>
+        self._args_at: int | None = None  # where the arguments start in _body, once the name is known
+        self._sent = 0  # argument characters sent
+        self._after_call = False
+        self.num_calls = 0  # calls started
+        self.num_complete = 0
+        self.truncated_call: str | None = None  # set by finish(): an unfinished call's text
+
+    def feed(self, piece: str) -> list[Event]:
+        events: list[Event] = []
+        if self._body is None:
+            self._text += piece
+        else:
+            self._body += piece
+        while True:
+            if self._body is None and not self._scan_text(events):
+                return events
+            if self._body is not None and not self._scan_call(events):
+                return events
+
+    def finish(self) -> list[Event]:
+        """The held-back text. An unfinished call whose name was not out yet becomes content; one
+        already streamed stays as sent, and its text is kept in `truncated_call`."""
+        events: list[Event] = []
+        if self._body is None:
+            text = self._text.lstrip() if self._after_call else self._text
+            if text:
+                events.append(ContentDelta(text))
+        elif self._args_at is None:
+            events.append(ContentDelta(OPEN_TAG + self._body))
+        else:
+            self.truncated_call = OPEN_TAG + self._body
+        self._text, self._body = "", None
+        return events
+
+    def _scan_text(self, events: list[Event]) -> bool:
+        """Emit what is surely content; True if a call starts."""
+        at = self._text.find(OPEN_TAG)
+        end = at if at >= 0 else len(self._text) - _tag_prefix_len(self._text, OPEN_TAG)
+        head = self._text[:end]
+        keep = len(head.rstrip())
+        if self._after_call:
+            head = head.lstrip()
+            keep = len(head.rstrip())
+            self._after_call = bool(not head)
+        if keep:
+            events.append(ContentDelta(head[:keep]))
+        if at < 0:
+            self._text = head[keep:] + self._text[end:]
+            return False
+        self._body, self._text = self._text[at + len(OPEN_TAG):], ""
+        self._args_at, self._sent = None, 0
+        return True
+
+    def _scan_call(self, events: list[Event]) -> bool:
+        """Emit the call's start and arguments so far; True if the call closed (text follows)."""
+        body = self._body
+        if self._args_at is None:
+            header = _HEADER.match(body)
+            if header:
+                self._args_at = header.end()
+                events.append(CallStart(self.num_calls, new_call_id(), json.loads(f'"{header.group(1)}"')))
+                self.num_calls += 1
+        close = body.find(CLOSE_TAG)
+        if close < 0:
+            if self._args_at is not None:
+                self._send_arguments(events, body[self._args_at:], final=False)
+            return False
+        self._close_call(events, body[:close])
+        self._body, self._text, self._after_call = None, body[close + len(CLOSE_TAG):], True
+        return True
+
+    def _send_arguments(self, events: list[Event], args: str, final: bool) -> None:
+        """Send `args` up to what may still be the call's closing `}` (and the tag after it)."""
+        cut = len(args)
+        brace = args.rfind("}")
+        rest = args[brace + 1:].lstrip() if brace >= 0 else None
+        if rest is not None and (final or CLOSE_TAG.startswith(rest)):
+            cut = brace
+        cut = len(args[:cut].rstrip())
+        if cut > self._sent:
+            events.append(ArgumentsDelta(self.num_calls - 1, args[self._sent:cut]))
+            self._sent = cut
+
+    def _close_call(self, events: list[Event], body: str) -> None:
+        if self._args_at is not None:
+            self._send_arguments(events, body.rstrip()[self._args_at:], final=True)
+            self.num_complete += 1
+            return
+        try:  # not in our format (keys in another order, spaces): the whole call, if it parses
+            call = json.loads(body)
+            name, arguments = call["name"], call["arguments"]
+            assert isinstance(name, str) and isinstance(arguments, dict)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            events.append(ContentDelta(OPEN_TAG + body + CLOSE_TAG))
+            return
+        events.append(CallStart(self.num_calls, new_call_id(), name))
+        events.append(ArgumentsDelta(self.num_calls, json.dumps(arguments, ensure_ascii=False)))
+        self.num_calls += 1
+        self.num_complete += 1
+
+
+def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content or None, tool_calls as OpenAI returns them) of a whole answer; an unfinished call
+    (cut off by max_tokens) is returned as content."""
+    parser = ToolCallParser()
+    events = parser.feed(text) + parser.finish()
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, CallStart):
+            calls.append({"id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}})
+        elif isinstance(event, ArgumentsDelta):
+            calls[event.index]["function"]["arguments"] += event.text
+    if parser.truncated_call is not None:
+        calls.pop()
+        content += parser.truncated_call
+    return content or None, calls
+
+
+def stream_delta(event: Event) -> dict[str, Any]:
+    """A chat chunk's `delta` for one event."""
+    if isinstance(event, ContentDelta):
+        return {"content": event.text}
+    if isinstance(event, CallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+
+
+def finish_reason(reason: str, parser: ToolCallParser) -> str:
+    """`tool_calls` when the answer ended on its own after at least one whole call."""
+    return "tool_calls" if reason == "stop" and parser.num_complete else reason

@@ -1,0 +1,161 @@
+"""Tool calling, request side: `tools`, `tool_choice`, `parallel_tool_calls` and the assistant's
+earlier `tool_calls`, as OpenAI defines them, for chat templates in the Hermes / Qwen2.5
+`<tool_call>` format.
+
+- `tool_choice="none"`: the tools are left out of the prompt (the model cannot see them, so it
+  answers in text; OpenAI lists them and forbids calls) and the answer is not parsed;
+- `"auto"` (the default when tools are given): the tools are in the prompt; the answer is free text
+  or calls, and a call's arguments are constrained by its function's schema
+  (`specdec.tool_grammar`, `free_text=True`), so every call the server returns validates;
+- `"required"` / `{"type": "function", "function": {"name": ...}}`: the answer is calls only, to
+  any tool / to that one, arguments constrained;
+- `parallel_tool_calls=false`: at most one call (default: several may follow one another).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from specdec.sampling_params import StructuredSpec
+from specdec.tool_grammar import CLOSE_TAG, OPEN_TAG, ToolGrammarSpec, tool_call_grammar
+
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: the function takes no arguments
+    strict: bool | None = None  # calls always follow `parameters` (they are constrained)
+
+
+class ToolDefinition(BaseModel):
+    """One entry of `tools`: a function the model may call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def template_dict(self) -> dict[str, Any]:
+        """What the chat template lists (no `strict`: it is ours, not the model's)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice={"type": "function", "function": {"name": ...}}`: call this function."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as the server returned it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"arguments must be a JSON object (as text): {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError("arguments must be a JSON object (as text)")
+        return arguments
+
+
+class ToolCall(BaseModel):
+    """One call of an earlier assistant message, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def template_dict(self) -> dict[str, Any]:
+        # Qwen2.5's template (as Hermes') writes `arguments | tojson`: it wants the object itself
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+
+
+def check_tools(tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+    names = [tool.function.name for tool in tools or []]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"function names must be unique; repeated: {', '.join(duplicates)}")
+    return tools
+
+
+def check_tool_choice(choice: ToolChoice | None, tools: list[ToolDefinition] | None) -> ToolChoice | None:
+    if choice in (None, "none"):
+        return choice
+    if not tools:
+        raise ValueError("tool_choice needs tools")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in tools}:
+        raise ValueError(f"{choice.function.name!r} is not one of the tools' functions")
+    return choice
+
+
+class ToolUse:
+    """A chat request's tool settings, resolved: what the template lists, whether the answer is
+    parsed for calls, and the grammar that constrains them."""
+
+    def __init__(self, tools: list[ToolDefinition] | None, choice: ToolChoice | None, parallel: bool | None) -> None:
+        self.tools = list(tools or [])
+        self.choice = choice if choice is not None else ("auto" if self.tools else "none")
+        self.parallel = parallel is not False
+
+    @property
+    def active(self) -> bool:
+        """Tools are offered and calls are parsed from the answer."""
+        return bool(self.tools) and self.choice != "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return [tool.template_dict() for tool in self.tools] if self.active else None
+
+    def callable_tools(self) -> list[ToolDefinition]:
+        if isinstance(self.choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.choice.function.name]
+        return self.tools
+
+    def structured(self, tag_tokens: bool) -> StructuredSpec | None:
+        """The grammar of the answer (None when no tools are active)."""
+        if not self.active:
+            return None
+        spec = ToolGrammarSpec.build([(t.function.name, t.function.parameters) for t in self.callable_tools()],
+                                     free_text=self.choice == "auto", parallel=self.parallel, tag_tokens=tag_tokens)
+        return StructuredSpec.lark(tool_call_grammar(spec))
+
+
+def tool_tags_are_tokens(tokenizer: Any) -> bool:
+    """`<tool_call>` and `</tool_call>` are single tokens of this vocabulary (Qwen2.5: yes)."""
+    added = tokenizer.get_added_vocab()
+    return OPEN_TAG in added and CLOSE_TAG in added
+
+
+def template_supports_tools(tokenizer: Any) -> bool:
+    """The chat template lists `tools` and writes calls in the `<tool_call>` format."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = "".join(template.values())
+    return "tools" in template and OPEN_TAG in template

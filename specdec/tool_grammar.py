@@ -1,0 +1,85 @@
+"""Tool calls as a grammar: the Hermes / Qwen2.5 format
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+    </tool_call>
+
+as an llguidance Lark grammar whose `arguments` follow each function's JSON schema, for
+`StructuredSpec.lark`. The engine applies it as any other structured output (every draft and verify
+row masked with its own prefix), so speculation stays lossless and the call is always well formed.
+
+Where the tokenizer has `<tool_call>` / `</tool_call>` as single tokens (Qwen2.5: ids 151657 /
+151658; llguidance treats added tokens as special), the grammar names them as tokens (`<tool_call>`
+in Lark): free text can then never contain them, so "text, then a call" needs no lookahead. Without
+them the tags are plain text, and a lazy rule ends the free text at the first `<tool_call>`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
+# OpenAI's compact JSON (as `response_format`): no free whitespace, ", " and ": " separators
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolGrammarSpec:
+    """What the answer may hold. `functions`: (name, parameters JSON schema or None) of the tools a
+    call may name; `free_text`: text may come instead of (or before) the calls (`tool_choice="auto"`),
+    else the answer is calls only (`"required"` or a named function); `parallel`: several calls, one
+    after another, else exactly one; `tag_tokens`: `<tool_call>` and `</tool_call>` are tokens."""
+
+    functions: tuple[tuple[str, str], ...]  # (name, parameters as JSON text)
+    free_text: bool
+    parallel: bool = True
+    tag_tokens: bool = True
+
+    @classmethod
+    def build(cls, functions: Sequence[tuple[str, dict[str, Any] | None]], *, free_text: bool,
+              parallel: bool = True, tag_tokens: bool = True) -> "ToolGrammarSpec":
+        if not functions:
+            raise ValueError("a tool grammar needs at least one function")
+        named = tuple((name, json.dumps(_NO_PARAMETERS if params is None else params)) for name, params in functions)
+        return cls(named, free_text, parallel, tag_tokens)
+
+
+def tool_call_grammar(spec: ToolGrammarSpec) -> str:
+    """The Lark grammar of `spec`.
+
+    >>> print(tool_call_grammar(ToolGrammarSpec.build([("f", None)], free_text=False, parallel=False)))
+    %llguidance {}
+    start: <tool_call> body
+    body: "\\n" fn "\\n" </tool_call>
+    fn: fn_0
+    fn_0: "{\\"name\\": \\"f\\", \\"arguments\\": " args_0 "}"
+    args_0: %json {"type": "object", "properties": {}, "additionalProperties": false, "x-guidance": {...}}
+    """
+    if spec.tag_tokens:
+        open_, close = OPEN_TAG, CLOSE_TAG  # special-token references
+        head = f"TEXT {open_}"
+    else:
+        open_, close = json.dumps(OPEN_TAG), json.dumps(CLOSE_TAG)
+        head = "head"
+    more = f' ("\\n" {open_} body)*' if spec.parallel else ""
+    if spec.free_text:
+        lines = [f"start: TEXT | {head} body{more}"]
+        if not spec.tag_tokens:  # the free text ends at the first "<tool_call>"
+            lines.append(f"head[lazy]: TEXT {open_}")
+        lines.append(r"TEXT: /(.|\n)*/")
+    else:
+        lines = [f"start: {open_} body{more}"]
+    lines.append(f'body: "\\n" fn "\\n" {close}')
+    lines.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(spec.functions))))
+    for i, (name, params) in enumerate(spec.functions):
+        header = json.dumps(f'{{"name": {json.dumps(name)}, "arguments": ')
+        schema = json.loads(params)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": _JSON_OPTIONS}
+        lines.append(f'fn_{i}: {header} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+    return "%llguidance {}\n" + "\n".join(lines) + "\n"
