@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from specdec.api.errors import APIError
 from specdec.api.schemas import ERROR_RESPONSES, ChatMessage
 from specdec.api.state import ServerState, server_state
+from specdec.api.tools import ToolDefinition
 
 router = APIRouter()
 
@@ -33,6 +34,7 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[ToolDefinition] | None = None  # listed by the template, as a chat request with tools does
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
     return_token_strs: bool | None = False
@@ -41,6 +43,8 @@ class TokenizeRequest(BaseModel):
     def _prompt_or_messages(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("send either prompt or messages")
+        if self.tools and self.messages is None:
+            raise ValueError("tools apply to messages")
         return self
 
 
@@ -59,7 +63,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             raise APIError(400, "add_special_tokens applies to a prompt; the chat template places the "
                            "special tokens of messages", "add_special_tokens")
         messages = [m.as_template_dict() for m in body.messages]
-        ids = state.chat_prompt_ids(messages, add_generation_prompt=body.add_generation_prompt is not False)
+        tools = [tool.template_dict() for tool in body.tools] if body.tools else None
+        ids = state.chat_prompt_ids(messages, add_generation_prompt=body.add_generation_prompt is not False,
+                                    tools=tools)
     else:
         if body.add_generation_prompt is not None:
             raise APIError(400, "add_generation_prompt applies to messages", "add_generation_prompt")

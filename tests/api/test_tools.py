@@ -162,6 +162,13 @@ def test_the_conversation_continues_after_a_tool_message(client, parts):
     assert out.usage.prompt_tokens == len(parts[2].encode(text))
 
 
+def test_tokenize_counts_the_tools_as_chat_does(client, tool_server):
+    usage = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=1).usage
+    body = {"messages": MESSAGES, "tools": TOOLS}
+    assert httpx.post(tool_server.url + "/tokenize", json=body, timeout=30).json()["count"] == usage.prompt_tokens
+    assert_error(httpx.post(tool_server.url + "/tokenize", json={"prompt": "x", "tools": TOOLS}, timeout=30), 400)
+
+
 def test_text_tags_work_where_the_vocabulary_has_no_tag_tokens(server):
     """The default tiny tokenizer has no `<tool_call>` token: the grammar writes the tags as text."""
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as plain_client:
