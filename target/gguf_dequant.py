@@ -1,9 +1,9 @@
 """GGUF block dequantization in torch, bitwise identical to `gguf.quants.dequantize` and faster.
 
-`gguf.quants` dequantizes with single-threaded numpy (~40 M weights/s here); the same arithmetic as
-torch elementwise ops runs on all cores. Every float32 value is produced by the same IEEE operations
-in the same order as the gguf package (fp16 -> fp32 of a scale is exact; products and differences
-are rounded once each, never fused), so the results match bit for bit:
+`gguf.quants` applies numpy ufuncs to 16-row groups of the file's memory map; here the same arithmetic
+runs as torch elementwise ops over chunks of rows (torch's threads: on a machine whose cores are busy
+with other work, one torch thread beats two, see docs/results/issue17/bench-dequant.md). The results
+match the gguf package's bit for bit:
 
     >>> raw = gguf.quants.quantize(np.random.randn(3, 256).astype(np.float32), GGMLQuantizationType.Q4_K)
     >>> torch.equal(dequantize(raw, GGMLQuantizationType.Q4_K),
@@ -25,8 +25,9 @@ Block layouts (bytes in storage order; `d`, `m`, `dmin` fp16; a block of 32 or 2
 
 Each product above is exact in float32 (an fp16 scale, 11 significant bits, times integers of at most
 7 and 5 bits), so only the final add / subtract rounds, as in numpy; that is why one fused pass
-(`addcmul`, FMA or not) gives numpy's bits. A NaN or inf scale (absent from real files) gives NaN in
-the same places, but its payload may differ from numpy's. F32, F16 and BF16 are converted exactly. Any other type (Q2_K, Q3_K, the IQ and TQ types) falls back
+(`addcmul`, FMA or not) gives numpy's bits; fp16 -> fp32 of a scale is exact. A NaN or inf scale
+(absent from real files) gives NaN in the same places, but its payload may differ from numpy's.
+F32, F16 and BF16 are converted exactly. Any other type (Q2_K, Q3_K, the IQ and TQ types) falls back
 to `gguf.quants.dequantize` itself, so every type the gguf package reads is read here.
 """
 
