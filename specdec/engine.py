@@ -426,7 +426,7 @@ class Engine:
 
 def _check_device(config: EngineConfig, models: dict[str, torch.nn.Module | None]) -> None:
     """Every model on one device, and that device `config.device` unless it is "auto"."""
-    devices = {name: next(m.parameters()).device for name, m in models.items() if m is not None}
+    devices = {name: m.model.norm.weight.device for name, m in models.items() if m is not None}
     wanted = None if config.device == "auto" else torch.device(config.device)
     for name, device in devices.items():
         if wanted is not None and (device.type != wanted.type or wanted.index not in (None, device.index)):

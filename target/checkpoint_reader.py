@@ -62,19 +62,27 @@ def checkpoint_sha256(folder: Path) -> str | None:
     return verified_sha256(gguf.resolve()) if gguf.exists() else None
 
 
-@contextlib.contextmanager
-def open_checkpoint(folder: Path):
-    """A `CheckpointReader` over the weights of `folder` (see the module docstring)."""
+def gguf_paths(folder: Path) -> list[Path] | None:
+    """The GGUF file of a folder (its parts, in order, for the default pair's); None if it has none."""
     folder = Path(folder)
     if (folder / GGUF_NAME).exists():
-        yield GGUFCheckpoint([(folder / GGUF_NAME).resolve()], folder)
-        return
+        return [(folder / GGUF_NAME).resolve()]
     if (folder / PARTS_NAME).exists():
         listed = read_parts_manifest(folder)
         if listed is None:
             raise ValueError(f"the GGUF parts listed in {folder / PARTS_NAME} changed since they were "
                              f"checked; resolve the model again (specdec checks them once more)")
-        yield GGUFCheckpoint(listed[0], folder)
+        return listed[0]
+    return None
+
+
+@contextlib.contextmanager
+def open_checkpoint(folder: Path):
+    """A `CheckpointReader` over the weights of `folder` (see the module docstring)."""
+    folder = Path(folder)
+    paths = gguf_paths(folder)
+    if paths is not None:
+        yield GGUFCheckpoint(paths, folder)
         return
     files = weight_files(folder)
     if not files:
@@ -89,6 +97,9 @@ class SafetensorsCheckpoint:
 
     def names(self) -> list[str]:
         return list(self._where)
+
+    def rows_in_place(self, name: str) -> None:
+        return None  # safetensors tables are read whole
 
     def read(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
@@ -111,6 +122,14 @@ class GGUFCheckpoint:
 
     def names(self) -> list[str]:
         return list(self._gguf_name)
+
+    def rows_in_place(self, name: str) -> str | None:
+        """The GGUF name of tensor `name` when its rows can be used as stored (an embedding left
+        in the file: `gguf_embedding`), else None."""
+        from specdec.target.gguf_embedding import plain_rows
+
+        gguf_name = self._gguf_name.get(name)
+        return gguf_name if gguf_name is not None and plain_rows(self._processor, self.file, gguf_name) else None
 
     def read(self, name: str) -> torch.Tensor:
         gguf_name = self._gguf_name[name]

@@ -147,14 +147,12 @@ class GGUFFile:
         return flat.reshape(*info.shape[:-1], -1)
 
     def dequantize(self, name: str) -> np.ndarray:
-        """Tensor `name` as float32 `info.shape` (F16 / F32 as stored, blocks dequantized)."""
-        import gguf
+        """Tensor `name` as float32 `info.shape` (F16 / F32 as stored, blocks dequantized: the
+        gguf package's values, computed by `gguf_dequant` on every core)."""
+        from specdec.target.gguf_dequant import dequantize
 
         info = self.tensors[name]
-        raw = self.raw(name)
-        if info.ggml_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            return raw.astype(np.float32)
-        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.ggml_type)).reshape(info.shape)
+        return dequantize(self.raw(name), info.ggml_type).reshape(info.shape).numpy()
 
 
 def _string(data: np.ndarray, pos: int) -> tuple[str, int]:

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import torch
 
-from specdec.target.checkpoint_reader import checkpoint_sha256, is_image_part, open_checkpoint, param_sources
+from specdec.target.checkpoint_reader import (
+    checkpoint_sha256, gguf_paths, is_image_part, open_checkpoint, param_sources,
+)
 from specdec.target.config import ModelConfig
+from specdec.target.gguf_file import GGUFFile
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.cache_file import load_quantized, quant_cache_path, save_quantized
 from specdec.target.quant.convert import prepare_quantized
@@ -60,7 +63,7 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
     if path.exists():
         with torch.device("meta"):
             model = LlamaForCausalLM(load_config(model_dir))
-        model = _finish(load_quantized(model, path), device)
+        model = _finish(load_quantized(model, path, lambda: GGUFFile.open(gguf_paths(model_dir))), device)
     else:
         # Quantize from float32 read tensor by tensor: a bf16 copy would knock Q4_K weights off
         # their 4-bit grid, and a whole float32 model would be 4x the packed one.

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from specdec.target.checkpoint_reader import CheckpointReader, open_checkpoint, param_sources
+from specdec.target.checkpoint_reader import CheckpointReader, GGUFCheckpoint, open_checkpoint, param_sources
 from specdec.target.config import ModelConfig
+from specdec.target.gguf_embedding import GGUFEmbedding
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.convert import quantize_linears, untie_lm_head
 from specdec.target.quant.formats import MODES, linear_kind
@@ -82,8 +83,14 @@ class _LayerLoader:
         self.seconds = {"read": 0.0, "quantize": 0.0, "calibrate": 0.0}
 
     def fill(self, prefix: str) -> None:
-        """Read the parameters under module `prefix` (float32)."""
+        """Read the parameters under module `prefix` (float32); an embedding whose GGUF rows can
+        be used as stored stays in the file (`GGUFEmbedding`)."""
         start = time.perf_counter()
+        if prefix == "model.embed_tokens" and isinstance(self.reader, GGUFCheckpoint):
+            gguf_name = self.reader.rows_in_place(self.sources["model.embed_tokens.weight"])
+            if gguf_name is not None and type(self.model.model.embed_tokens) is nn.Embedding:
+                self.model.model.embed_tokens = GGUFEmbedding(self.reader.file, gguf_name, torch.float32)
+                return
         with _plain_tensors():
             for name, param in list(self.model.named_parameters()):
                 if param.is_meta and (name == prefix or name.startswith(prefix + ".")):
@@ -95,9 +102,12 @@ class _LayerLoader:
     def convert(self, prefix: str) -> None:
         """Quantize the linears under `prefix`, cast its other parameters to the model dtype."""
         start = time.perf_counter()
+        module = self.model.get_submodule(prefix)
+        if isinstance(module, GGUFEmbedding):
+            module.dtype = self.dtype
         with _plain_tensors():
             quantize_linears(self.model, self.mode, prefix)
-            cast_dense(self.model.get_submodule(prefix), self.dtype)
+            cast_dense(module, self.dtype)
         self.seconds["quantize"] += time.perf_counter() - start
 
     def convert_in_order(self, bar: tqdm) -> None:

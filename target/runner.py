@@ -48,7 +48,7 @@ class ModelRunner:
         self.output_vocab = output_vocab or self.model_vocab
         self.block_size = kv_cache.spec.block_size
         self.pool = BlockPool(kv_cache.num_blocks)
-        self.device = next(model.parameters()).device
+        self.device = model.model.norm.weight.device
         # The weights are final here: run the layers from C where they fit, else the Python loop.
         model.use_layer_stack(NativeDecoderStack.build(model))
 
@@ -58,7 +58,8 @@ class ModelRunner:
     ) -> KVCacheSpec:
         """The model's KV cache layout; `kv_dtype` None means the model's own dtype."""
         cfg = model.config
-        param = next(model.parameters())
+        param = model.model.norm.weight  # dense in every model, in the model's dtype (the embedding
+        # may have no parameter: `GGUFEmbedding`)
         return KVCacheSpec(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,

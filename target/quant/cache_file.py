@@ -1,7 +1,9 @@
 """Quantize a model once and keep the result, so a warm load reads ~1/4 of the fp32 bytes.
 
 The cache file holds the whole state dict after quantization (the formats' tensors, the bf16
-embedding and norms) plus a manifest of which linear became which format (`formats.FORMATS`); it
+embedding and norms) plus a manifest of which linear became which format (`formats.FORMATS`) and
+of the modules left in the GGUF file (an embedding read in place: `GGUFEmbedding`, which the
+loader maps from the model folder's GGUF again); it
 is keyed on the model folder's path, the sizes and modification times of its weight files
 (safetensors, or the GGUF file a folder links to), the mode and dtype, and the text of the sources
 that define the stored layout (`layout_key`), as the kernel builds are (`specdec.native`): a
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +27,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from specdec.paths import cache_dir
+from specdec.target.gguf_embedding import GGUFEmbedding
+from specdec.target.gguf_file import GGUFFile
 from specdec.target.quant.formats import FORMATS, linear_kind
 
 # What a cache file holds and how the kernel reads it: the converters, packers and fusers, the
@@ -32,7 +37,7 @@ LAYOUT_SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("int4.py", "int8.py", "qlinear.py", "formats.py", "convert.py", "smoothing.py",
                  "calibration.txt", "cache_file.py", "qgemm.c")
-)
+) + (Path(__file__).parent.parent / "gguf_embedding.py",)
 
 
 @functools.cache
@@ -69,12 +74,16 @@ def save_quantized(model: nn.Module, path: Path) -> None:
     """Write the model's state dict and quantization manifest atomically, then delete the file it
     replaces (`stale_siblings`): without that, every layout change left gigabytes behind."""
     manifest = {name: kind for name, m in model.named_modules() if (kind := linear_kind(m)) != "dense"}
+    in_gguf = {name: [m.gguf_name, str(m.dtype).removeprefix("torch.")]
+               for name, m in model.named_modules() if isinstance(m, GGUFEmbedding)}
     state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.startswith("rotary.")}
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)
     try:
-        save_file(state, tmp, metadata={"manifest": json.dumps(manifest)})
+        # one metadata entry: safetensors writes several in no fixed order, and the bytes of a
+        # cache file are meant to be reproducible
+        save_file(state, tmp, metadata={"manifest": json.dumps({"linears": manifest, "in_gguf": in_gguf})})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
@@ -84,11 +93,20 @@ def save_quantized(model: nn.Module, path: Path) -> None:
         stale.unlink(missing_ok=True)
 
 
-def load_quantized(model: nn.Module, path: Path) -> nn.Module:
-    """Fill a (meta-device) model from a cache file written by `save_quantized`."""
+def load_quantized(model: nn.Module, path: Path, gguf: Callable[[], GGUFFile] | None = None) -> nn.Module:
+    """Fill a (meta-device) model from a cache file written by `save_quantized`; `gguf()` opens
+    the model's GGUF file where the cache left modules in it."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        manifest = json.loads(f.metadata()["manifest"])
+        described = json.loads(f.metadata()["manifest"])
+        manifest, in_gguf = described["linears"], described["in_gguf"]
         state = {k: f.get_tensor(k) for k in f.keys()}
+    if in_gguf:
+        if gguf is None:
+            raise ValueError(f"{path} reads its embedding from the model's GGUF file, which was not given")
+        mapped = gguf()
+        for name, (gguf_name, dtype) in in_gguf.items():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, GGUFEmbedding(mapped, gguf_name, getattr(torch, dtype)))
     for name, kind in manifest.items():
         fmt = FORMATS[kind]
         tensors = {key: state.pop(f"{name}.{key}", None) for key in fmt.state_keys}

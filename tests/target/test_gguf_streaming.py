@@ -155,9 +155,14 @@ def test_streamed_quantization_is_bitwise_the_dense_path(gguf_folder, mode):
     expected = _dense_path(gguf_folder, mode)
     model = load_model(gguf_folder, torch.bfloat16, quant=mode)
     cached = load_file(quant_cache_path(gguf_folder, mode, torch.bfloat16))
+    # the embedding stays in the GGUF (GGUFEmbedding): its rows are looked up, not cached
+    table = expected.pop("model.embed_tokens.weight")
     assert set(cached) == set(expected)
     for name, tensor in expected.items():
         assert torch.equal(cached[name], tensor), name
+    ids = torch.tensor([[0, 5, 5], [len(table) - 1, 1, 2]])
+    rows = model.model.embed_tokens(ids)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows, table[ids])
     assert model(*_prompt_inputs(model)).isfinite().all()
 
 
