@@ -7,7 +7,9 @@ arguments in pieces as they are generated. `function.arguments` is the model's o
 the arguments (compact, in the schema's property order when the call was constrained).
 
 Text that may still turn into a tag (`<tool_c...`) and whitespace before a call are held back;
-whitespace next to a call is dropped. A call whose JSON does not parse (only possible without a
+whitespace next to a call is dropped. An answer that opens with a ```json block holding
+`{"name": ..., "arguments": ...}` is a call too (Qwen2.5-Coder's habit; `specdec.tool_grammar`
+constrains it in `auto` mode); its `arguments` keep the model's whitespace. A call whose JSON does not parse (only possible without a
 constraint) is returned as content; a call cut off by max_tokens: see `ToolCallParser.finish`.
 """
 
@@ -19,8 +21,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import regex  # transformers' dependency: partial matches (may this text still become a fence?)
+
 from specdec.tool_grammar import CLOSE_TAG, OPEN_TAG
 
+FENCE = "```"
+_FENCED_CALL = regex.compile(r'```(?:json)?\s*\{\s*"name"\s*:')  # at the answer's start (see tool_grammar)
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
@@ -71,6 +77,8 @@ class ToolCallParser:
         self._args_at: int | None = None  # where the arguments start in _body, once the name is known
         self._sent = 0  # argument characters sent
         self._after_call = False
+        self._at_start = True  # nothing decided yet: the answer may open a fenced call
+        self._open, self._close = OPEN_TAG, CLOSE_TAG  # the current call's delimiters
         self.num_calls = 0  # calls started
         self.num_complete = 0
         self.truncated_call: str | None = None  # set by finish(): an unfinished call's text
@@ -96,14 +104,24 @@ class ToolCallParser:
             if text:
                 events.append(ContentDelta(text))
         elif self._args_at is None:
-            events.append(ContentDelta(OPEN_TAG + self._body))
+            events.append(ContentDelta(self._open + self._body))
         else:
-            self.truncated_call = OPEN_TAG + self._body
+            self.truncated_call = self._open + self._body
         self._text, self._body = "", None
         return events
 
     def _scan_text(self, events: list[Event]) -> bool:
         """Emit what is surely content; True if a call starts."""
+        if self._at_start:
+            fence = _FENCED_CALL.match(self._text, partial=True)
+            if fence is not None and fence.partial:
+                return False  # wait: this may open a fenced call
+            self._at_start = False
+            if fence is not None:
+                brace = self._text.index("{")
+                self._open, self._close = self._text[:brace], FENCE
+                self._body, self._text, self._args_at, self._sent = self._text[brace:], "", None, 0
+                return True
         at = self._text.find(OPEN_TAG)
         end = at if at >= 0 else len(self._text) - _tag_prefix_len(self._text, OPEN_TAG)
         head = self._text[:end]
@@ -118,7 +136,7 @@ class ToolCallParser:
             self._text = head[keep:] + self._text[end:]
             return False
         self._body, self._text = self._text[at + len(OPEN_TAG):], ""
-        self._args_at, self._sent = None, 0
+        self._open, self._close, self._args_at, self._sent = OPEN_TAG, CLOSE_TAG, None, 0
         return True
 
     def _scan_call(self, events: list[Event]) -> bool:
@@ -130,13 +148,13 @@ class ToolCallParser:
                 self._args_at = header.end()
                 events.append(CallStart(self.num_calls, new_call_id(), json.loads(f'"{header.group(1)}"')))
                 self.num_calls += 1
-        close = body.find(CLOSE_TAG)
+        close = body.find(self._close)
         if close < 0:
             if self._args_at is not None:
                 self._send_arguments(events, body[self._args_at:], final=False)
             return False
         self._close_call(events, body[:close])
-        self._body, self._text, self._after_call = None, body[close + len(CLOSE_TAG):], True
+        self._body, self._text, self._after_call = None, body[close + len(self._close):], True
         return True
 
     def _send_arguments(self, events: list[Event], args: str, final: bool) -> None:
@@ -144,7 +162,7 @@ class ToolCallParser:
         cut = len(args)
         brace = args.rfind("}")
         rest = args[brace + 1:].lstrip() if brace >= 0 else None
-        if rest is not None and (final or CLOSE_TAG.startswith(rest)):
+        if rest is not None and (final or self._close.startswith(rest)):
             cut = brace
         cut = len(args[:cut].rstrip())
         if cut > self._sent:
@@ -161,7 +179,7 @@ class ToolCallParser:
             name, arguments = call["name"], call["arguments"]
             assert isinstance(name, str) and isinstance(arguments, dict)
         except (ValueError, KeyError, TypeError, AssertionError):
-            events.append(ContentDelta(OPEN_TAG + body + CLOSE_TAG))
+            events.append(ContentDelta(self._open + body + self._close))
             return
         events.append(CallStart(self.num_calls, new_call_id(), name))
         events.append(ArgumentsDelta(self.num_calls, json.dumps(arguments, ensure_ascii=False)))

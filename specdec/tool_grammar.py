@@ -25,6 +25,10 @@ OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 # OpenAI's compact JSON (as `response_format`): no free whitespace, ", " and ": " separators
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# Qwen2.5-Coder's habit: a call written as a ```json block instead of <tool_call> (llama.cpp's
+# Hermes parser takes it too). An answer that opens so is a call, constrained as the tagged form
+# but with the model's own whitespace.
+_FENCED_CALL = r'```(json)?\s*\{\s*"name"\s*:'
 
 
 @dataclass(frozen=True)
@@ -67,10 +71,11 @@ def tool_call_grammar(spec: ToolGrammarSpec) -> str:
         head = "head"
     more = f' ("\\n" {open_} body)*' if spec.parallel else ""
     if spec.free_text:
-        lines = [f"start: TEXT | {head} body{more}"]
+        lines = [f"start: TEXT | {head} body{more} | fence_open fenced"]
         if not spec.tag_tokens:  # the free text ends at the first "<tool_call>"
             lines.append(f"head[lazy]: TEXT {open_}")
-        lines.append(r"TEXT: /(.|\n)*/")
+        lines += [f"TEXT: /(.|\\n)*/ & ~/{_FENCED_CALL}(.|\\n)*/", f"fence_open[lazy]: /{_FENCED_CALL}/"]
+        lines += _fenced_calls(spec)
     else:
         lines = [f"start: {open_} body{more}"]
     lines.append(f'body: "\\n" fn "\\n" {close}')
@@ -83,3 +88,16 @@ def tool_call_grammar(spec: ToolGrammarSpec) -> str:
         lines.append(f'fn_{i}: {header} args_{i} "}}"')
         lines.append(f"args_{i}: %json {json.dumps(schema)}")
     return "%llguidance {}\n" + "\n".join(lines) + "\n"
+
+
+def _fenced_calls(spec: ToolGrammarSpec) -> list[str]:
+    """The rest of a fenced call, after `{"name":` (any whitespace): a name, the arguments, `}` and
+    the closing fence."""
+    lines = ["fenced: " + " | ".join(f"fenced_{i}" for i in range(len(spec.functions)))]
+    for i, (name, params) in enumerate(spec.functions):
+        schema = json.loads(params)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {"whitespace_flexible": True}}
+        lines.append(f'fenced_{i}: /\\s*"{name}"\\s*,\\s*"arguments"\\s*:\\s*/ fenced_args_{i} /\\s*\\}}\\s*```/')
+        lines.append(f"fenced_args_{i}: %json {json.dumps(schema)}")
+    return lines

@@ -14,6 +14,10 @@ TWO_CALLS = ('Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": {"y": "}"}}}\
              '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
 
 
+FENCED = ('```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris",\n    "unit": "celsius"\n'
+          '  }\n}\n```')
+
+
 def _calls(calls):
     return [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
@@ -36,13 +40,20 @@ def test_a_whole_answer_splits_into_content_and_calls():
     ('<tool_call>\n{"name": "f", "arguments": {"x": 1', '<tool_call>\n{"name": "f", "arguments": {"x": 1', []),
     ('ok <tool_call>\n{"na', 'ok<tool_call>\n{"na', []),
     ('<tool_call>\nnot json\n</tool_call>', '<tool_call>\nnot json\n</tool_call>', []),
-], ids=["text", "empty", "call", "foreign-order", "cut-in-arguments", "cut-in-name", "not-json"])
+    # Qwen2.5-Coder's ```json block at the start of the answer is a call; elsewhere, or not a call: text
+    (FENCED, None, [("get_weather", '{\n    "city": "Paris",\n    "unit": "celsius"\n  }')]),
+    ("See:\n" + FENCED, "See:\n" + FENCED, []),
+    ('```json\n{"title": "x"}\n```', '```json\n{"title": "x"}\n```', []),
+    ("```py", "```py", []),
+], ids=["text", "empty", "call", "foreign-order", "cut-in-arguments", "cut-in-name", "not-json", "fenced",
+        "fenced-after-text", "fenced-not-a-call", "fence-cut"])
 def test_split(text, content, calls):
     got_content, got_calls = split_tool_calls(text)
     assert (got_content, _calls(got_calls)) == (content, calls)
 
 
-@pytest.mark.parametrize("text", [TWO_CALLS, "a b  c\n", 'hi <tool_call>\n{"name": "f", "arguments": {"x": 1'])
+@pytest.mark.parametrize("text", [TWO_CALLS, "a b  c\n", 'hi <tool_call>\n{"name": "f", "arguments": {"x": 1',
+                                  FENCED, FENCED[:60], "```json\n[1, 2]\n```"])
 def test_streamed_pieces_reassemble_to_the_whole_answer(text):
     whole_content, whole_calls = split_tool_calls(text)
     rng = random.Random(0)

@@ -69,6 +69,23 @@ def test_free_text_or_constrained_calls(tag_tokens):
     assert _accepts(tokenizer, make, '<tool_call>\n{"name": "nope"')[0] is False
 
 
+FENCED = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris", "unit": "celsius"}\n}\n```'
+
+
+@pytest.mark.parametrize("tag_tokens", [False, True], ids=["text-tags", "token-tags"])
+def test_auto_takes_a_fenced_call_constrained_too(tag_tokens):
+    """Qwen2.5-Coder writes calls as ```json blocks: at the answer's start such a block is a call,
+    held to the schema; other code blocks stay free text."""
+    tokenizer, make = _constraint(tag_tokens, free_text=True, parallel=True)
+    assert _accepts(tokenizer, make, FENCED) == (True, True)
+    assert _accepts(tokenizer, make, FENCED.replace('"celsius"', '"kelvin"'))[0] is False
+    assert _accepts(tokenizer, make, FENCED.replace('"get_weather"', '"get_time"'))[0] is False
+    assert _accepts(tokenizer, make, '```json\n{"title": "x"}\n```') == (True, True)
+    assert _accepts(tokenizer, make, "```python\nprint(1)\n```") == (True, True)
+    _, calls_only = _constraint(tag_tokens, free_text=False, parallel=True)
+    assert _accepts(tokenizer, calls_only, FENCED)[0] is False
+
+
 def test_functions_without_parameters_take_an_empty_object():
     tokenizer, make = _constraint(False, free_text=False, parallel=False)
     assert _accepts(tokenizer, make, PING) == (True, True)
