@@ -28,14 +28,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specdec.paths import cache_dir
 from specdec.target.checkpoint_reader import GGUF_NAME, weight_files
 from specdec.target.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from specdec.target.default_pair import (
-    DEFAULT_DRAFT, DEFAULT_TARGET, PARTS_NAME, PackedModel, assemble, checked_parts, read_parts_manifest,
-    verified_sha256, write_parts_manifest,
+    DEFAULT_DRAFT, DEFAULT_TARGET, PackedModel, assemble, checked_parts, find_parts,
+    read_parts_manifest, verified_sha256, write_parts_manifest,
 )
 from specdec.target.gguf_file import GGUFFile
 
@@ -144,12 +145,22 @@ def packed_model_dir(packed: PackedModel) -> Path:
 
 def prepare_packed(packed: PackedModel, progress: bool = True) -> Path:
     """The folder of a default model: config and tokenizer as `prepare_gguf` writes them, and the
-    manifest of the installed chunks that make its GGUF (`default_pair`), checked once."""
+    manifest of the installed chunks that make its GGUF (`default_pair`), checked once. The
+    check hashes in a thread while the tokenizer is read (hashlib lets go of the GIL); the folder
+    is renamed into place only once it passed."""
     out = packed_model_dir(packed)
     listed = read_parts_manifest(out)
-    parts = checked_parts(packed, trusted=listed[0] if listed else None, progress=progress)
-    if not (out / "config.json").is_file():
-        _build_folder(out, lambda tmp: _describe_into(GGUFFile.open(parts), tmp, progress, packed.filename))
+    with ThreadPoolExecutor(1) as pool:
+        check = pool.submit(checked_parts, packed, listed[0] if listed else None, progress)
+        if not (out / "config.json").is_file():
+            parts = find_parts(packed)
+
+            def describe(tmp: Path) -> None:
+                _describe_into(GGUFFile.open(parts), tmp, progress, packed.filename)
+                check.result()
+
+            _build_folder(out, describe)
+        parts = check.result()
     (out / GGUF_NAME).unlink(missing_ok=True)  # an older specdec linked an assembled copy
     if listed is None or listed[0] != parts:
         write_parts_manifest(out, parts, packed.sha256)

@@ -340,6 +340,7 @@ def test_default_model_reads_its_packages_in_place_checked_once(tmp_path, monkey
     packed = default_pair.PackedModel(name="Tiny", dist_prefix="tiny-part", num_parts=3, version="0",
                                       size=len(data), sha256=hashlib.sha256(data).hexdigest())
     monkeypatch.setattr(default_pair, "find_parts", lambda p: parts)
+    monkeypatch.setattr(model_files, "find_parts", lambda p: parts)
 
     folder = model_files.prepare_packed(packed, progress=False)
     assert (folder / default_pair.PARTS_NAME).is_file() and not (folder / "model.gguf").exists()
