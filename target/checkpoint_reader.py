@@ -140,21 +140,25 @@ class GGUFCheckpoint:
 
 
 def gguf_to_hf_names(hf_config, processor) -> dict[str, str]:
-    """`{gguf name: HF name}` for the model `hf_config` describes (built on the meta device).
+    """`{gguf name: HF name}` for the model `hf_config` describes.
 
-    transformers builds gguf-py's name table (every architecture's patterns for every block) once
-    per submodule it walks: 371 times, 8.5 s for Qwen2.5-1.5B. One table per call serves them all.
+    transformers walks a model built on the meta device; ours has the Hugging Face names and
+    builds without importing transformers' model classes (~5 s). transformers also builds
+    gguf-py's name table (every architecture's patterns for every block) once per submodule it
+    walks: 371 times, 8.5 s for Qwen2.5-1.5B. One table per call serves them all.
     """
     import gguf
-    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
 
+    from specdec.target.config import ModelConfig
+    from specdec.target.model import LlamaForCausalLM
+
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
+        skeleton = LlamaForCausalLM(ModelConfig.from_hf(hf_config))
     build = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.cache(build)  # the function imports it from gguf per call
     try:
-        return get_gguf_hf_weights_map(skeleton, processor)
+        return get_gguf_hf_weights_map(skeleton, processor, hf_config.model_type, hf_config.num_hidden_layers)
     finally:
         gguf.get_tensor_name_map = build
 
