@@ -92,7 +92,7 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output channel: `(q [N, K] int8, scale [N] fp32)`, w ~ q * scale."""
     w = weight.float()
     scale = (w.abs().amax(1) / 127).clamp(min=1e-12)  # [N]
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+    return torch.div(w, scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale  # one temporary
 
 
 def fuse_int8(parts: list[nn.Module]) -> Int8Linear | None:
