@@ -43,7 +43,8 @@ def parts():
 @pytest.fixture(scope="module")
 def tool_server(serve, parts):
     target, draft, tokenizer = parts
-    config = EngineConfig(dtype="float32", num_blocks=512, block_size=8, num_speculative_tokens=4, max_num_seqs=8)
+    config = EngineConfig(dtype="float32", num_blocks=512, block_size=8, num_speculative_tokens=4, max_num_seqs=8,
+                          adaptive_k=False)  # seeded answers reproduce only at a fixed k
     with serve(Engine.from_models(config, target, draft, tokenizer)) as srv:
         yield srv
 
@@ -116,6 +117,22 @@ def test_parallel_calls_each_validate(client, parts):
     assert len(calls) >= 2, (content, calls)
     assert content is None or (finish == "length" and content.startswith("<tool_call>"))  # the cut-off call
     _assert_valid(calls)
+
+
+def test_each_of_n_choices_parses_its_own_calls(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                  max_tokens=200, temperature=1.0, seed=3, n=2)
+    whole = client.chat.completions.create(**kwargs).choices
+    streamed = {0: ["", ""], 1: ["", ""]}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                streamed[choice.index][0] += call.function.name or ""
+                streamed[choice.index][1] += call.function.arguments or ""
+    for choice in whole:
+        (call,) = choice.message.tool_calls
+        _assert_valid([(call.id, call.function.name, call.function.arguments)])
+        assert streamed[choice.index] == [call.function.name, call.function.arguments]
 
 
 def test_auto_calls_validate_when_the_model_calls(client, parts):
