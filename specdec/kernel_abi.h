@@ -9,11 +9,10 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 2
+#define SPECDEC_ABI_VERSION 1
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
-#define SPECDEC_MAX_INT4_GROUP 256 /* quantize_int4_groups: its per-group sort buffer */
 
 /* What every exported kernel returns. */
 enum specdec_status {
@@ -77,10 +76,6 @@ int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t 
 int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *layers, int64_t num_layers,
                    int norm_bf16, float eps, const struct specdec_attention *a, uint16_t *kv, float scale,
                    uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int threads);
-
-/* target/quant/int4_quant.c: q [groups, group_size] in 0..15, step and zero [groups] */
-int quantize_int4_groups(const float *w, int64_t groups, int64_t group_size, int32_t *q, float *step,
-                         float *zero, int threads);
 
 /* specdec/kernel_abi.c (every library): the layout table and its length. */
 int64_t specdec_abi_version(void);

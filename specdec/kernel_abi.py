@@ -14,11 +14,10 @@ import enum
 
 import torch
 
-ABI_VERSION = 2  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 1  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 MAX_HEAD_DIM = 512  # SPECDEC_MAX_HEAD_DIM: rope_write_attend's per-thread query buffer
-MAX_INT4_GROUP = 256  # SPECDEC_MAX_INT4_GROUP: quantize_int4_groups' per-group sort buffer
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
@@ -109,7 +108,6 @@ class AbiEntry(ctypes.Structure):
 
 STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Layer, Attention, AbiEntry)
 CONSTANTS = {"SPECDEC_GROUP": GROUP, "SPECDEC_TILE": TILE, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
-             "SPECDEC_MAX_INT4_GROUP": MAX_INT4_GROUP,
              **{f"SPECDEC_{s.name}": int(s) for s in Status}}
 
 # name -> (restype, argtypes): kernel_abi.h's prototypes
@@ -122,8 +120,6 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     # h, num_rows, layers, num_layers, norm_bf16, eps, a, kv, scale, qkv, att, gate_up, threads
     "decoder_layers": (_I, [_P, _I64, ctypes.POINTER(Layer), _I64, _I, _F, ctypes.POINTER(Attention), _P,
                             _F, _P, _P, _P, _I]),
-    # w, groups, group_size, q, step, zero, threads
-    "quantize_int4_groups": (_I, [_P, _I64, _I64, _P, _P, _P, _I]),
     "specdec_abi_version": (_I64, []),
     "specdec_abi_layout": (ctypes.POINTER(AbiEntry), [ctypes.POINTER(_I64)]),
 }

@@ -15,13 +15,11 @@ k+1 forwards; `"int4+w8a8"` adds an int8 copy for windows of several rows (see `
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from specdec import kernel_abi, native
 from specdec.target.quant.int8 import Int8Linear, cat_biases, int_mm_is_fast, quantize_int8
 
 INT4_GROUP = 32
@@ -31,9 +29,6 @@ INT4_GROUP = 32
 INT8_MIN_ROWS = 5
 INT4_PACK_BLOCK = 64  # output channels per block of `_convert_weight_to_int4pack_for_cpu`'s layout
 AUTO_INT4_MAX_ERROR = 0.02  # relative Frobenius error under which int4 is taken as exact enough
-# SSE4.1 (every x86-64 CPU since 2008) makes rintf one instruction instead of a libm call
-QUANTIZER = native.NativeKernel((Path(__file__).with_name("int4_quant.c"),), flags=("-msse4.1",),
-                                cpu_flags=("sse4_1",), functions=("quantize_int4_groups",))
 
 
 class Int4Linear(nn.Module):
@@ -139,26 +134,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     grid of at most 16 levels (as GGUF Q4_K weights do: exact), else (max - min) / 15.
     """
     n, k = weight.shape
-    lib = quantizer()
-    if lib is not None:  # the same arithmetic in one pass (int4_quant.c)
-        w = weight.detach().float().contiguous()
-        q = torch.empty(n, k, dtype=torch.int32)
-        step, zero = torch.empty(n * (k // group_size)), torch.empty(n * (k // group_size))
-        status = lib.quantize_int4_groups(w.data_ptr(), n * (k // group_size), group_size, q.data_ptr(),
-                                          step.data_ptr(), zero.data_ptr(), torch.get_num_threads())
-        kernel_abi.raise_for_status(status, "quantize_int4_groups")
-        return q, torch.stack([step, zero], -1).view(n, k // group_size, 2).transpose(0, 1).to(torch.bfloat16).contiguous()
     q = torch.empty(n, k, dtype=torch.int32)
     sz = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
     rows = max(1, (1 << 22) // k)  # chunks of ~4M weights bound the temporary memory
     for r in range(0, n, rows):
         q[r : r + rows], sz[:, r : r + rows] = _quantize_int4_rows(weight[r : r + rows], group_size)
     return q, sz
-
-
-def quantizer():
-    """The loaded `int4_quant.c` (plain C and SSE4.1), or None where it cannot run (torch then)."""
-    return QUANTIZER.load()
 
 
 def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,10 +18,9 @@ from specdec import kernel_abi, native
 from specdec.cache import cpu_attention
 from specdec.config import EngineConfig
 from specdec.engine_parts import resolve_config
-from specdec.target.quant import decoder_stack, int4, qgemm, qlinear
+from specdec.target.quant import decoder_stack, qgemm, qlinear
 
-KERNELS = {"qgemm": qgemm.KERNEL, "attention": cpu_attention.KERNEL, "decoder": decoder_stack.KERNEL,
-           "int4_quant": int4.QUANTIZER}
+KERNELS = {"qgemm": qgemm.KERNEL, "attention": cpu_attention.KERNEL, "decoder": decoder_stack.KERNEL}
 needs_gcc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
 
@@ -122,7 +121,7 @@ def test_a_mismatched_description_is_caught(libraries, structures, constants, ex
 @needs_gcc
 def test_a_version_mismatch_is_caught(libraries, monkeypatch):
     monkeypatch.setattr(kernel_abi, "ABI_VERSION", kernel_abi.ABI_VERSION + 1)
-    with pytest.raises(kernel_abi.KernelABIError, match=f"ABI version {kernel_abi.ABI_VERSION - 1}"):
+    with pytest.raises(kernel_abi.KernelABIError, match="ABI version 1"):
         kernel_abi.check_layout(libraries["qgemm"])
 
 
