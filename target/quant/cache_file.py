@@ -5,7 +5,7 @@ embedding and norms) plus a manifest of which linear became which format (`forma
 of the modules left in the GGUF file (an embedding read in place: `GGUFEmbedding`, which the
 loader maps from the model folder's GGUF again); it
 is keyed on the model folder's path, the sizes and modification times of its weight files
-(safetensors, or the GGUF file a folder links to), the mode and dtype, and the text of the sources
+(safetensors, the GGUF file a folder links to, or the default pair's parts manifest), the mode and dtype, and the text of the sources
 that define the stored layout (`layout_key`), as the kernel builds are (`specdec.native`): a
 layout change cannot hand the kernel a stale file.
 """
