@@ -9,12 +9,11 @@ converted weights are the very bytes a calibrating load writes on the machine th
 every machine now gets those bytes, where float forwards on other CPUs could round differently).
 Any other checkpoint calibrates as before.
 
-    python -m specdec.target.quant.shipped_stats default-target   # (re)make the shipped file
+    python -m specdec.target.ship_stats default-target   # (re)make the shipped file
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 from pathlib import Path
@@ -50,28 +49,3 @@ def save_stats(stats: dict[str, torch.Tensor], num_layers: int, path: Path) -> N
     names = [f"model.layers.{i}.{name}" for i in range(num_layers) for name in SMOOTHED_INPUTS] + ["lm_head"]
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({n: stats[n].float().contiguous() for n in names}, str(path))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Calibrate a model (a spec as `specdec generate --model` takes) and write its shipped file."""
-    from specdec.target.checkpoint_reader import checkpoint_sha256
-    from specdec.target.model_files import resolve_model
-    from specdec.target.model_weights import calibration_ids, load_config
-    from specdec.target.quantized_stream import stream_quantized
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="model spec, e.g. default-target")
-    args = parser.parse_args(argv)
-    folder = resolve_model(args.model)
-    sha = checkpoint_sha256(folder)
-    if sha is None:
-        raise SystemExit(f"{args.model}: no verified sha256 for its weights; only checkpoints with one ship stats")
-    config = load_config(folder)
-    stats: dict[str, torch.Tensor] = {}
-    stream_quantized(folder, config, "w8a8", torch.bfloat16, lambda: calibration_ids(folder), keep_stats=stats)
-    save_stats(stats, config.num_layers, stats_path(sha))
-    print(f"wrote {stats_path(sha)}")
-
-
-if __name__ == "__main__":
-    main()
