@@ -23,10 +23,10 @@ from typing import Any
 
 import regex  # transformers' dependency: partial matches (may this text still become a fence?)
 
-from specdec.tool_grammar import CLOSE_TAG, OPEN_TAG
+from specdec.tool_grammar import CLOSE_TAG, FENCED_CALL, OPEN_TAG
 
 FENCE = "```"
-_FENCED_CALL = regex.compile(r'```(?:json)?\s*\{\s*"name"\s*:')  # at the answer's start (see tool_grammar)
+_FENCED_CALL = regex.compile(FENCED_CALL)  # at the answer's start (the grammar's pattern)
 _HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 

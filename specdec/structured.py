@@ -28,7 +28,7 @@ from specdec.sampling_params import StructuredSpec
 
 # OpenAI's JSON mode and strict schemas: compact separators, no free whitespace (the model cannot
 # pad the answer with newlines until max_tokens).
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarConstraint:
@@ -158,6 +158,6 @@ def _to_grammar(spec: StructuredSpec) -> str:
         return llguidance.LLMatcher.grammar_from_lark(spec.source)
     schema = json.loads(spec.source) if spec.kind == "json_schema" else {"type": "object"}
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     except ValueError as error:
         raise ValueError(f"invalid json schema: {error}") from error

@@ -21,14 +21,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.structured import JSON_OPTIONS
+
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-# OpenAI's compact JSON (as `response_format`): no free whitespace, ", " and ": " separators
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 # Qwen2.5-Coder's habit: a call written as a ```json block instead of <tool_call> (llama.cpp's
 # Hermes parser takes it too). An answer that opens so is a call, constrained as the tagged form
 # but with the model's own whitespace.
-_FENCED_CALL = r'```(json)?\s*\{\s*"name"\s*:'
+FENCED_CALL = r'```(?:json)?\s*\{\s*"name"\s*:'
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def tool_call_grammar(spec: ToolGrammarSpec) -> str:
         lines = [f"start: TEXT | {head} body{more} | fence_open fenced"]
         if not spec.tag_tokens:  # the free text ends at the first "<tool_call>"
             lines.append(f"head[lazy]: TEXT {open_}")
-        lines += [f"TEXT: /(.|\\n)*/ & ~/{_FENCED_CALL}(.|\\n)*/", f"fence_open[lazy]: /{_FENCED_CALL}/"]
+        lines += [f"TEXT: /(.|\\n)*/ & ~/{FENCED_CALL}(.|\\n)*/", f"fence_open[lazy]: /{FENCED_CALL}/"]
         lines += _fenced_calls(spec)
     else:
         lines = [f"start: {open_} body{more}"]
@@ -84,7 +84,7 @@ def tool_call_grammar(spec: ToolGrammarSpec) -> str:
         header = json.dumps(f'{{"name": {json.dumps(name)}, "arguments": ')
         schema = json.loads(params)
         if isinstance(schema, dict):
-            schema = {**schema, "x-guidance": _JSON_OPTIONS}
+            schema = {**schema, "x-guidance": JSON_OPTIONS}  # compact, as response_format
         lines.append(f'fn_{i}: {header} args_{i} "}}"')
         lines.append(f"args_{i}: %json {json.dumps(schema)}")
     return "%llguidance {}\n" + "\n".join(lines) + "\n"

@@ -140,19 +140,28 @@ def checked_parts(packed: PackedModel, trusted: list[Path] | None = None, progre
     parts = find_parts(packed)
     if trusted == parts:
         return parts
+    total = _checked_size(packed, parts)
+    _check_digest(packed, _copy_parts(parts, None, total, f"checking {packed.filename}", progress), "installed chunks")
+    return parts
+
+
+def _checked_size(packed: PackedModel, parts: list[Path]) -> int:
+    """The chunks' total size, which must be `packed.size`."""
     total = sum(p.stat().st_size for p in parts)
     if total != packed.size:
         raise RuntimeError(
             f"{packed.name}: the installed chunks hold {total:,} bytes, expected {packed.size:,}; "
             f"reinstall with:  {INSTALL_COMMAND}"
         )
-    digest = _copy_parts(parts, None, total, f"checking {packed.filename}", progress)
+    return total
+
+
+def _check_digest(packed: PackedModel, digest: str, what: str) -> None:
     if digest != packed.sha256:
         raise RuntimeError(
-            f"{packed.name}: sha256 of the installed chunks is {digest}, expected {packed.sha256}; "
+            f"{packed.name}: sha256 of the {what} is {digest}, expected {packed.sha256}; "
             f"reinstall with:  {INSTALL_COMMAND}"
         )
-    return parts
 
 
 def write_parts_manifest(folder: Path, parts: list[Path], sha256: str) -> None:
@@ -196,21 +205,12 @@ def assemble(packed: PackedModel, progress: bool = True) -> Path:
         return out
     parts = find_parts(packed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    total = sum(p.stat().st_size for p in parts)
-    if total != packed.size:
-        raise RuntimeError(
-            f"{packed.name}: the installed chunks hold {total:,} bytes, expected {packed.size:,}; "
-            f"reinstall with:  {INSTALL_COMMAND}"
-        )
+    total = _checked_size(packed, parts)
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{packed.filename}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as dst:
             digest = _copy_parts(parts, dst, total, f"assembling {packed.filename}", progress)
-        if digest != packed.sha256:
-            raise RuntimeError(
-                f"{packed.name}: sha256 of the assembled file is {digest}, expected "
-                f"{packed.sha256}; reinstall with:  {INSTALL_COMMAND}"
-            )
+        _check_digest(packed, digest, "assembled file")
         os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; the cache is shared like any download
         os.replace(tmp_name, out)
     except BaseException:

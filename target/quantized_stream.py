@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from specdec.target.checkpoint_reader import CheckpointReader, GGUFCheckpoint, open_checkpoint, param_sources
+from specdec.target.checkpoint_reader import CheckpointReader, open_checkpoint, param_sources
 from specdec.target.config import ModelConfig
 from specdec.target.gguf_embedding import GGUFEmbedding
 from specdec.target.model import LlamaForCausalLM
@@ -86,7 +86,7 @@ class _LayerLoader:
         """Read the parameters under module `prefix` (float32); an embedding whose GGUF rows can
         be used as stored stays in the file (`GGUFEmbedding`)."""
         start = time.perf_counter()
-        if prefix == "model.embed_tokens" and isinstance(self.reader, GGUFCheckpoint):
+        if prefix == "model.embed_tokens":
             gguf_name = self.reader.rows_in_place(self.sources["model.embed_tokens.weight"])
             if gguf_name is not None and type(self.model.model.embed_tokens) is nn.Embedding:
                 self.model.model.embed_tokens = GGUFEmbedding(self.reader.file, gguf_name, torch.float32)
