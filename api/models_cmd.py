@@ -29,6 +29,7 @@ from specdec.target.default_pair import (
     PackedModel,
     find_parts,
     gguf_path,
+    parts_checked,
     read_parts_manifest,
     verified_sha256,
 )
@@ -108,8 +109,9 @@ def pair_status() -> list[PairModel]:
             parts, problem = find_parts(packed), ""
         except ModelsNotInstalledError as exc:
             parts, problem = None, str(exc)
-        listed = read_parts_manifest(packed_model_dir(packed))
-        checked = parts is not None and listed is not None and listed[0] == parts
+        folder = packed_model_dir(packed)
+        listed = read_parts_manifest(folder)
+        checked = parts is not None and listed is not None and listed[0] == parts and parts_checked(folder)
         path = gguf_path(packed)
         ok = path.is_file() and verified_sha256(path) == packed.sha256
         out.append(PairModel(role, packed, parts, problem, checked, path, ok))

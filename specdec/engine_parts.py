@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specdec.config import EngineConfig
+from specdec.target.default_pair import finish_check
 from specdec.target.family_quant import family_quant
 from specdec.target.model_files import resolve_model
 from specdec.target.model_weights import load_model, parse_dtype
@@ -57,14 +58,20 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     config = resolve_config(config)
     dtype, device = parse_dtype(config.dtype), config.resolved_device()
     t0 = time.perf_counter()
-    target_dir = resolve_model(config.target)
+    # Both folders first: a default model's first sha256 check then runs in the background while
+    # the models load (disk reads under CPU work); settled before anything is served.
+    target_dir = resolve_model(config.target, wait_check=False)
+    uses_draft = config.speculative and config.uses_draft_model
+    draft_dir = resolve_model(config.draft, wait_check=False) if uses_draft else None
     tokenizer = load_tokenizer(target_dir)
     target = load_model(target_dir, dtype, device, config.target_quant)
     draft = None
-    if config.speculative and config.uses_draft_model:
-        draft_dir = resolve_model(config.draft)
+    if draft_dir is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), config)
         draft = load_model(draft_dir, dtype, device, config.draft_quant)
+    for folder in (target_dir, draft_dir):
+        if folder is not None:
+            finish_check(folder)
     if log:
         log(f"loaded models in {time.perf_counter() - t0:.1f}s")
     return target, draft, tokenizer

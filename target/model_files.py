@@ -28,15 +28,14 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specdec.paths import cache_dir
 from specdec.target.checkpoint_reader import GGUF_NAME, weight_files
 from specdec.target.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
 from specdec.target.default_pair import (
-    DEFAULT_DRAFT, DEFAULT_TARGET, PackedModel, assemble, checked_parts, find_parts,
-    read_parts_manifest, verified_sha256, write_parts_manifest,
+    DEFAULT_DRAFT, DEFAULT_TARGET, PackedModel, assemble, find_parts, finish_check, parts_checked,
+    read_parts_manifest, start_check, verified_sha256, write_parts_manifest,
 )
 from specdec.target.gguf_file import GGUFFile
 
@@ -46,16 +45,19 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
 
-def resolve_model(spec: str, progress: bool = True) -> Path:
+def resolve_model(spec: str, progress: bool = True, wait_check: bool = True) -> Path:
     """Turn a model spec into a local folder holding config.json, tokenizer files and weights.
+
+    `wait_check=False` lets the first check of a default model's chunks run on in the background
+    (`prepare_packed`); the caller then owes `default_pair.finish_check(folder)`.
 
     Raises `ValueError` with a clear message when the spec names nothing usable, and
     `default_pair.ModelsNotInstalledError` for the default specs without the `models` extra.
     """
     if spec == DEFAULT_TARGET_SPEC:
-        return prepare_packed(DEFAULT_TARGET, progress=progress)
+        return prepare_packed(DEFAULT_TARGET, progress, wait_check)
     if spec == DEFAULT_DRAFT_SPEC:
-        return prepare_packed(DEFAULT_DRAFT, progress=progress)
+        return prepare_packed(DEFAULT_DRAFT, progress, wait_check)
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
@@ -143,27 +145,27 @@ def packed_model_dir(packed: PackedModel) -> Path:
     return cache_dir() / "models" / f"{Path(packed.filename).stem}-{packed.sha256[:12]}"
 
 
-def prepare_packed(packed: PackedModel, progress: bool = True) -> Path:
+def prepare_packed(packed: PackedModel, progress: bool = True, wait_check: bool = True) -> Path:
     """The folder of a default model: config and tokenizer as `prepare_gguf` writes them, and the
-    manifest of the installed chunks that make its GGUF (`default_pair`), checked once. The
-    check hashes in a thread while the tokenizer is read (hashlib lets go of the GIL); the folder
-    is renamed into place only once it passed."""
+    manifest of the installed chunks that make its GGUF (`default_pair`), checked once.
+
+    The check hashes the chunks in a background thread (hashlib lets go of the GIL) while the
+    tokenizer is read; with `wait_check=False` it goes on while the caller loads the model, and
+    the caller settles it with `default_pair.finish_check(folder)` before it caches or serves
+    anything (the engine does: `engine_parts.load_engine_parts`)."""
     out = packed_model_dir(packed)
+    parts = find_parts(packed)
     listed = read_parts_manifest(out)
-    with ThreadPoolExecutor(1) as pool:
-        check = pool.submit(checked_parts, packed, listed[0] if listed else None, progress)
-        if not (out / "config.json").is_file():
-            parts = find_parts(packed)
-
-            def describe(tmp: Path) -> None:
-                _describe_into(GGUFFile.open(parts), tmp, progress, packed.filename)
-                check.result()
-
-            _build_folder(out, describe)
-        parts = check.result()
+    checked = listed is not None and listed[0] == parts and parts_checked(out)
+    if not checked:
+        start_check(out, packed, parts)
+    if not (out / "config.json").is_file():
+        _build_folder(out, lambda tmp: _describe_into(GGUFFile.open(parts), tmp, progress, packed.filename))
     (out / GGUF_NAME).unlink(missing_ok=True)  # an older specdec linked an assembled copy
     if listed is None or listed[0] != parts:
-        write_parts_manifest(out, parts, packed.sha256)
+        write_parts_manifest(out, parts, packed.sha256, pending=True)
+    if wait_check:
+        finish_check(out, progress)
     return out
 
 

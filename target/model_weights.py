@@ -12,6 +12,7 @@ from specdec.target.checkpoint_reader import (
     checkpoint_sha256, gguf_paths, is_image_part, open_checkpoint, param_sources,
 )
 from specdec.target.config import ModelConfig
+from specdec.target.default_pair import finish_check
 from specdec.target.gguf_file import GGUFFile
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.cache_file import load_quantized, quant_cache_path, save_quantized
@@ -72,6 +73,7 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
         model, seconds = stream_quantized(
             model_dir, load_config(model_dir), quant, dtype, lambda: calibration_ids(model_dir), stats=shipped
         )
+        finish_check(model_dir)  # nothing derived from unchecked bytes is cached
         written = time.perf_counter()
         save_quantized(model, path)
         seconds["write"] = time.perf_counter() - written

@@ -136,7 +136,7 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     n, k = weight.shape
     q = torch.empty(n, k, dtype=torch.int32)
     sz = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
-    rows = max(1, (1 << 22) // k)  # chunks of ~4M weights bound the temporary memory
+    rows = max(1, (1 << 20) // k)  # chunks of ~1M weights: the temporaries stay in cache (1.3x faster than 4M)
     for r in range(0, n, rows):
         q[r : r + rows], sz[:, r : r + rows] = _quantize_int4_rows(weight[r : r + rows], group_size)
     return q, sz
@@ -145,20 +145,26 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
 def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = weight.shape
     w = weight.float().view(n, k // group_size, group_size)  # [n, G, g]
-    lo, hi = w.amin(-1), w.amax(-1)  # [n, G]
+    lo, hi = torch.aminmax(w, dim=-1)  # [n, G]
     minmax_step = ((hi - lo) / 15).clamp(min=1e-12)
-    # numpy sorts 32-element rows ~5x faster than torch on this CPU; a sort is exact either way
+    # numpy sorts 32-element rows ~4x faster than torch on this CPU; a sort is exact either way
     gaps = torch.from_numpy(np.sort(w.detach().numpy(), -1)).diff(dim=-1)  # [n, G, g-1]
     tiny = 1e-4 * minmax_step.unsqueeze(-1)
-    grid_step = torch.where(gaps > tiny, gaps, torch.inf).amin(-1)  # [n, G]; inf: constant group
+    grid_step = gaps.masked_fill_(gaps <= tiny, torch.inf).amin(-1)  # [n, G]; inf: constant group
     grid_step = torch.where(torch.isinf(grid_step), minmax_step, grid_step)
     step = torch.where((hi - lo) <= grid_step * 15.01, grid_step, minmax_step)
-    levels = (w - lo[..., None]) / step[..., None]
-    on_grid = (levels - levels.round()).abs().amax(-1) < 0.02  # [n, G]
+    levels = (w - lo[..., None]) / step[..., None]  # [n, G, g]
+    q = levels.round()
+    on_grid = levels.sub_(q).abs_().amax(-1) < 0.02  # [n, G]
+    # off the grid: the min-max step, whose levels are those already rounded unless the step changes
+    redo = ~on_grid & (step != minmax_step)
     step = torch.where(on_grid, step, minmax_step)
-    q = ((w - lo[..., None]) / step[..., None]).round().clamp(0, 15).to(torch.int32).view(n, k)
+    if redo.any():
+        at = redo.nonzero(as_tuple=True)
+        q[at] = ((w[at] - lo[at][:, None]) / step[at][:, None]).round()
     zero = lo + 8 * step  # the kernel computes (q - 8) * scale + zero
-    return q, torch.stack([step, zero], -1).transpose(0, 1).to(torch.bfloat16)
+    scales_and_zeros = torch.stack([step, zero], -1).transpose(0, 1).to(torch.bfloat16)  # [G, n, 2]
+    return q.clamp_(0, 15).to(torch.int32).view(n, k), scales_and_zeros
 
 
 def int4_error(weight: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> float:

@@ -80,7 +80,10 @@ def _factors(linears: list[nn.Linear], x_absmax: torch.Tensor, alpha: float) -> 
 
 
 def _scale_(param: torch.Tensor, factor: torch.Tensor) -> None:
-    param.data = (param.data.float() * factor).to(param.dtype)
+    if param.dtype == torch.float32:
+        param.data.mul_(factor)  # in place: the same products, no fresh 100 MB tensor to fault in
+    else:
+        param.data = (param.data.float() * factor).to(param.dtype)
 
 
 @torch.no_grad()

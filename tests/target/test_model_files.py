@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from importlib import metadata
 
@@ -323,25 +324,11 @@ def test_default_model_reads_its_packages_in_place_checked_once(tmp_path, monkey
     """A default model's GGUF is read from its package chunks where they lie (chunk boundaries cut
     through the header and the tensors), equal to the one file; the sha256 is checked on the first
     resolve only, again when a chunk changes, and nothing is assembled into the cache."""
-    import hashlib
-
     from specdec.target.checkpoint_reader import open_checkpoint
     from specdec.target.gguf_file import GGUFFile
 
-    tokenizer = build_tiny_tokenizer()
-    whole = tmp_path / "tiny.gguf"
-    _write_gguf(whole, _tiny_llama(tokenizer), tokenizer)
+    packed, parts, whole, cuts = _packed_tiny_gguf(tmp_path, monkeypatch)
     data = whole.read_bytes()
-    cuts = [0, 1000, len(data) // 2 + 7, len(data)]  # the first cut is inside the metadata
-    parts = []
-    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
-        parts.append(tmp_path / f"part{i:02d}.bin")
-        parts[-1].write_bytes(data[a:b])
-    packed = default_pair.PackedModel(name="Tiny", dist_prefix="tiny-part", num_parts=3, version="0",
-                                      size=len(data), sha256=hashlib.sha256(data).hexdigest())
-    monkeypatch.setattr(default_pair, "find_parts", lambda p: parts)
-    monkeypatch.setattr(model_files, "find_parts", lambda p: parts)
-
     folder = model_files.prepare_packed(packed, progress=False)
     assert (folder / default_pair.PARTS_NAME).is_file() and not (folder / "model.gguf").exists()
     assert not (default_pair.cache_dir() / "gguf").exists()
@@ -363,3 +350,61 @@ def test_default_model_reads_its_packages_in_place_checked_once(tmp_path, monkey
     parts[2].write_bytes(data[cuts[2]:])
     with pytest.raises(RuntimeError, match="sha256"):
         model_files.prepare_packed(packed, progress=False)
+    assert not folder.exists()  # its tokenizer came from the same bytes
+
+
+def _packed_tiny_gguf(tmp_path, monkeypatch, sha256: str | None = None):
+    """A tiny GGUF cut into three 'installed' chunks (the first cut inside the metadata):
+    `(packed, parts, whole file, cuts)`."""
+    import hashlib
+
+    tokenizer = build_tiny_tokenizer()
+    whole = tmp_path / "tiny.gguf"
+    _write_gguf(whole, _tiny_llama(tokenizer), tokenizer)
+    data = whole.read_bytes()
+    cuts = [0, 1000, len(data) // 2 + 7, len(data)]
+    parts = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+        parts.append(tmp_path / f"part{i:02d}.bin")
+        parts[-1].write_bytes(data[a:b])
+    packed = default_pair.PackedModel(name="Tiny", dist_prefix="tiny-part", num_parts=3, version="0",
+                                      size=len(data), sha256=sha256 or hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(default_pair, "find_parts", lambda p: parts)
+    monkeypatch.setattr(model_files, "find_parts", lambda p: parts)
+    return packed, parts, whole, cuts
+
+
+def test_a_deferred_check_vouches_only_once_finished(tmp_path, monkeypatch):
+    """With wait_check=False the folder and a pending manifest are there at once (the loaders can
+    read the chunks) while the hash runs on; nothing trusts the manifest until finish_check's
+    marker, and a later resolve then hashes nothing. A manifest from before pending ones existed
+    (no `vouched_by`) is trusted as it is."""
+    packed, parts, _, _ = _packed_tiny_gguf(tmp_path, monkeypatch)
+    release = threading.Event()
+    real_copy = default_pair._copy_parts
+    monkeypatch.setattr(default_pair, "_copy_parts", lambda *a: release.wait() and real_copy(*a))
+    folder = model_files.prepare_packed(packed, progress=False, wait_check=False)
+    assert default_pair.read_parts_manifest(folder) == (parts, packed.sha256)
+    assert not default_pair.parts_checked(folder)  # the hash is still running
+    release.set()
+    default_pair.finish_check(folder, progress=False)
+    assert default_pair.parts_checked(folder)
+    monkeypatch.setattr(default_pair, "_copy_parts", lambda *a: pytest.fail("hashed again"))
+    assert model_files.prepare_packed(packed, progress=False, wait_check=False) == folder
+    default_pair.finish_check(folder, progress=False)  # nothing pending: returns
+
+    manifest = folder / default_pair.PARTS_NAME
+    old_style = json.loads(manifest.read_text())
+    old_style.pop("vouched_by")
+    manifest.write_text(json.dumps(old_style))
+    (folder / default_pair.CHECKED_NAME).unlink()
+    assert default_pair.parts_checked(folder)
+
+
+def test_a_deferred_check_that_fails_removes_the_folder(tmp_path, monkeypatch):
+    packed, _, _, _ = _packed_tiny_gguf(tmp_path, monkeypatch, sha256="0" * 64)
+    folder = model_files.prepare_packed(packed, progress=False, wait_check=False)
+    assert (folder / "config.json").is_file()  # usable while the check runs
+    with pytest.raises(RuntimeError, match="sha256 of the installed chunks"):
+        default_pair.finish_check(folder, progress=False)
+    assert not folder.exists()
