@@ -75,6 +75,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("local_cos", local[0], persistent=False)
         self.register_buffer("local_signed_sin", local[1], persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        """Follow `.to(device)` but keep the tables fp32 under `.to(dtype)` / `.bfloat16()`: the C
+        attention reads them as fp32, and the torch path casts the gathered rows itself."""
+        tables = {name: t for name, t in self._buffers.items() if t is not None}
+        super()._apply(fn, recurse)
+        for name, t in tables.items():
+            if self._buffers[name].dtype != t.dtype:
+                self._buffers[name] = t.to(self._buffers[name].device)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "Rotation":
         """The rotation of the tokens at `positions [T]`, for a model computing in `dtype`."""
         return Rotation(positions, self.cos, self.signed_sin, dtype)

@@ -214,7 +214,8 @@ def test_c_layer_loop_is_bitwise_the_python_layer_loop(tmp_path, monkeypatch):
         assert torch.equal(native, python)
     import copy
 
-    assert target.use_layer_stack()
+    target.use_layer_stack(NativeDecoderStack.build(target))  # steps(False) dropped it
+    assert target._layer_stack is not None
     twin = copy.deepcopy(target)
     assert twin._layer_stack is None  # a copy's buffers are elsewhere
     ids = list(range(3, 20))
