@@ -91,11 +91,11 @@ class Int4Linear(nn.Module):
         ).to(x.dtype)
 
     def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M, N] bf16
-        if not int_mm_is_fast():
-            fbgemm = self.__dict__.get("_fbgemm")  # not a submodule: no second copy in state_dict
-            if fbgemm is None:
-                fbgemm = self.__dict__["_fbgemm"] = Int8Linear(self.weight_int8, self.int8_scale, None)
-            y = fbgemm(x.float())  # [M, N] fp32
+        if not int_mm_is_fast():  # Int8Linear: the AVX2 kernel, or fbgemm
+            int8 = self.__dict__.get("_int8")  # not a submodule: no second copy in state_dict
+            if int8 is None:
+                int8 = self.__dict__["_int8"] = Int8Linear(self.weight_int8, self.int8_scale, None)
+            y = int8(x.float())  # [M, N] fp32
             return (y if self.bias is None else y.add_(self.bias)).to(torch.bfloat16)
         x32 = x.float()
         amax = x32.abs().amax(-1, keepdim=True).clamp_(min=1e-8)  # [M, 1]
@@ -127,22 +127,40 @@ def fuse_int4(parts: list[nn.Module]) -> Int4Linear | None:
     )
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, max_error: float = math.inf,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Asymmetric int4 per group: `q [N, K] int32` in 0..15, `scales_and_zeros [K/g, N, 2]` bf16.
 
     Each group's step is the smallest gap between its distinct values when all values sit on a
     grid of at most 16 levels (as GGUF Q4_K weights do: exact), else (max - min) / 15.
+
+    With a finite `max_error`: None where the reconstruction's relative Frobenius error (bf16 steps
+    and zeros, as the kernels use them: `int4_error`) reaches it, known as soon as the chunks done
+    so far reach it, so a tensor that does not fit 4 bits (Q6_K, an LM head) stops early. The error
+    is summed chunk by chunk while each chunk is in cache: a separate pass over a whole tensor
+    (`int4_error`) took 22 s of the default pair's first load.
     """
     n, k = weight.shape
     q = torch.empty(n, k, dtype=torch.int32)
     sz = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
+    limit = math.inf if max_error == math.inf else (max_error * weight.float().norm().clamp(min=1e-12).item()) ** 2
+    error = 0.0  # the squared error so far
     rows = max(1, (1 << 20) // k)  # chunks of ~1M weights: the temporaries stay in cache (1.3x faster than 4M)
     for r in range(0, n, rows):
-        q[r : r + rows], sz[:, r : r + rows] = _quantize_int4_rows(weight[r : r + rows], group_size)
+        q[r : r + rows], sz[:, r : r + rows], chunk_error = _quantize_int4_rows(
+            weight[r : r + rows], group_size, limit < math.inf
+        )
+        error += chunk_error
+        if error >= limit:
+            return None
     return q, sz
 
 
-def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_int4_rows(
+    weight: torch.Tensor, group_size: int, with_error: bool,
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """`quantize_int4` of a few rows, and (`with_error`, else 0) the reconstruction's squared error."""
     n, k = weight.shape
     w = weight.float().view(n, k // group_size, group_size)  # [n, G, g]
     lo, hi = torch.aminmax(w, dim=-1)  # [n, G]
@@ -164,7 +182,12 @@ def _quantize_int4_rows(weight: torch.Tensor, group_size: int) -> tuple[torch.Te
         q[at] = ((w[at] - lo[at][:, None]) / step[at][:, None]).round()
     zero = lo + 8 * step  # the kernel computes (q - 8) * scale + zero
     scales_and_zeros = torch.stack([step, zero], -1).transpose(0, 1).to(torch.bfloat16)  # [G, n, 2]
-    return q.clamp_(0, 15).to(torch.int32).view(n, k), scales_and_zeros
+    q = q.clamp_(0, 15)
+    error = 0.0
+    if with_error:  # as int4_error computes it
+        scale, zero = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [n, G] each
+        error = levels.copy_(q).sub_(8).mul_(scale[..., None]).add_(zero[..., None]).sub_(w).norm().item() ** 2
+    return q.to(torch.int32).view(n, k), scales_and_zeros, error
 
 
 def int4_error(weight: torch.Tensor, q: torch.Tensor, sz: torch.Tensor) -> float:
@@ -183,7 +206,7 @@ def int4_from_linear(linear: nn.Linear, max_error: float = math.inf, int8_copy: 
     w, b = linear.weight.detach(), linear.bias
     if w.shape[1] % INT4_GROUP or w.shape[0] % 16:
         return linear
-    q, sz = quantize_int4(w, INT4_GROUP)
-    if max_error == math.inf or int4_error(w, q, sz) < max_error:
-        return Int4Linear.from_quantized(q, sz, b, int8_from=w if int8_copy else None)
-    return linear
+    quantized = quantize_int4(w, INT4_GROUP, max_error)
+    if quantized is None:
+        return linear
+    return Int4Linear.from_quantized(*quantized, b, int8_from=w if int8_copy else None)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdec.kernel_abi import check_tensor, raise_for_status
-from specdec.target.quant.int4 import int4_error, quantize_int4
+from specdec.target.quant.int4 import quantize_int4
 from specdec.target.quant.int8 import cat_biases
 from specdec.target.quant.qgemm import FLOATS, GROUP_BYTES, check_weights, require_qgemm
 
@@ -72,8 +72,9 @@ class QLinear(nn.Module):
             raise ValueError(
                 f"QLinear needs out_features % {TILE} == 0 and in_features % {GROUP} == 0, got {n}x{k}"
             )
-        q4, sz = quantize_int4(weight, GROUP)
-        if int4_error(weight, q4, sz) < int4_max_error:
+        int4 = quantize_int4(weight, GROUP, int4_max_error)
+        if int4 is not None:
+            q4, sz = int4
             step, zero = sz.transpose(0, 1).unbind(-1)  # [N, G] bf16 each
             tiles = pack_int4(q4, step, zero)
             bits = 4

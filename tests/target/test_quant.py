@@ -40,6 +40,29 @@ def test_int4_grid_detection_survives_missing_levels():
     assert int4_error(w, q, sz) < 5e-3
 
 
+def test_a_bounded_quantization_decides_as_the_whole_tensor_error_does(monkeypatch):
+    """`quantize_int4(w, g, max_error)` keeps exactly the int4 weights whose `int4_error` is under
+    `max_error` (the error summed chunk by chunk), and gives up on the rest before their end."""
+    from specdec.target.quant import int4
+
+    grid = grid_weights(96, 256)
+    off_grid = torch.randn(96, 256)
+    for w in (grid, off_grid, torch.cat([grid[:48], off_grid[:48]])):
+        q, sz = quantize_int4(w, 32)
+        error = int4_error(w, q, sz)
+        for bound in (error * 1.001, error * 0.999, 0.02):
+            bounded = quantize_int4(w, 32, bound)
+            if error < bound:
+                assert bounded is not None and torch.equal(bounded[0], q) and torch.equal(bounded[1], sz)
+            else:
+                assert bounded is None, (error, bound)
+    chunks = []
+    real = int4._quantize_int4_rows
+    monkeypatch.setattr(int4, "_quantize_int4_rows", lambda *a: chunks.append(1) or real(*a))
+    # 16 chunks of ~1M weights (4 rows of 2^18); noise is ~8% off: over 2% of the whole by the 2nd
+    assert quantize_int4(torch.randn(64, 1 << 18), 32, 0.02) is None and len(chunks) == 2
+
+
 def test_auto_picks_int4_for_grid_and_leaves_the_rest_dense():
     model = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Linear(64, 32))
     with torch.no_grad():
