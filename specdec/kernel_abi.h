@@ -77,6 +77,10 @@ int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *la
                    int norm_bf16, float eps, const struct specdec_attention *a, uint16_t *kv, float scale,
                    uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int threads);
 
+/* target/quant/int8_avx2.c */
+int int8_gemm_avx2(const float *x, int64_t m, int64_t k, const int8_t *w, const float *w_scale, int64_t n,
+                   float *y, int zero_point, int threads);
+
 /* specdec/kernel_abi.c (every library): the layout table and its length. */
 int64_t specdec_abi_version(void);
 const struct specdec_abi_entry *specdec_abi_layout(int64_t *count);
