@@ -13,11 +13,14 @@ from typing import Any
 
 import torch
 
+from specdec import native
+from specdec.cache import cpu_attention
 from specdec.config import EngineConfig
 from specdec.target.default_pair import finish_check
 from specdec.target.family_quant import family_quant
 from specdec.target.model_files import resolve_model
 from specdec.target.model_weights import load_model, parse_dtype
+from specdec.target.quant import decoder_stack, qgemm
 from specdec.target.quant.qgemm import load_qgemm
 from specdec.target.runner import ModelRunner
 from specdec.target.tokenizer import load_tokenizer
@@ -55,9 +58,11 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
 def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     """Resolve and load the target, the draft (when the draft proposer is used) and the tokenizer."""
+    t0 = time.perf_counter()
+    if config.resolved_device() == "cpu":  # compilers on the other core while this one reads
+        native.prebuild([qgemm.KERNEL, decoder_stack.KERNEL, cpu_attention.KERNEL])
     config = resolve_config(config)
     dtype, device = parse_dtype(config.dtype), config.resolved_device()
-    t0 = time.perf_counter()
     # Both folders first: a default model's first sha256 check then runs in the background while
     # the models load (disk reads under CPU work); settled before anything is served.
     target_dir = resolve_model(config.target, wait_check=False)

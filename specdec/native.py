@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,9 +101,34 @@ def open_library(path: Path, functions: tuple[str, ...]) -> ctypes.CDLL:
     return kernel_abi.bind(ctypes.CDLL(str(path)), functions)
 
 
+_prebuilds: dict[NativeKernel, threading.Thread] = {}
+
+
+def prebuild(kernels: list[NativeKernel]) -> None:
+    """Compile those of `kernels` that can run here in the background, one compiler each, so that
+    their first use finds them built (their first `load()` waits for its build). On an empty cache
+    the AVX-512 kernels compiled one after another at first use: ~3.7 s of a first load, which
+    this overlaps with reading the models. A failed build is reported by `load()` as ever."""
+    if os.environ.get("SPECDEC_NO_KERNELS") == "1":
+        return
+    for kernel in kernels:
+        if kernel not in _prebuilds and _machine_reason(kernel.cpu_flags) is None:
+            _prebuilds[kernel] = threading.Thread(target=_build_quietly, args=(kernel,), daemon=True)
+            _prebuilds[kernel].start()
+
+
+def _build_quietly(kernel: NativeKernel) -> None:
+    try:
+        kernel.build()
+    except (OSError, KernelBuildError):
+        pass  # load() builds again and keeps the message
+
+
 @functools.cache
 def _load(kernel: NativeKernel) -> tuple[ctypes.CDLL | None, str | None]:
     """(library, None) or (None, why not), once per kernel."""
+    if kernel in _prebuilds:
+        _prebuilds[kernel].join()
     try:
         return open_library(kernel.build(), kernel.functions), None
     except (OSError, KernelBuildError, kernel_abi.KernelABIError) as e:

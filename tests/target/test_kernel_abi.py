@@ -182,3 +182,19 @@ def test_no_compiler_is_a_reason_not_a_crash(cache, monkeypatch):
     with pytest.raises(native.KernelBuildError, match="no C compiler"):
         native.NativeKernel((qgemm.SOURCE,), (), ()).build()
 
+
+
+@needs_gcc
+def test_a_prebuilt_kernel_is_compiled_once_and_a_failed_one_keeps_its_message(cache, monkeypatch):
+    """`prebuild` compiles in the background; the first `load()` waits for it and compiles nothing
+    more; a build that fails there fails again in `load()`, with the compiler's message."""
+    compiles = []
+    run = subprocess.run
+    monkeypatch.setattr(native.subprocess, "run", lambda cmd, **kw: compiles.append(cmd[-1]) or run(cmd, **kw))
+    good = _kernel(cache, "int answer(void) { return 42; }\n")
+    broken = native.NativeKernel((cache / "broken2.c",), (), ())
+    (cache / "broken2.c").write_text("int broken(void) { return 0 }\n")
+    native.prebuild([good, broken])
+    assert good.load() is not None
+    assert "error: expected" in broken.unavailable_reason()
+    assert len([c for c in compiles if c.endswith(".so")]) == 3  # good once, broken twice
