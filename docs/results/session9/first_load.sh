@@ -5,7 +5,7 @@
 #   (`pip install --no-deps --target DIR <checkout>`) instead of this checkout, for a side-by-side "before".
 set -euo pipefail
 export SPECDEC_CACHE="${1:-$(mktemp -d)}"
-[ -n "${2:-}" ] && export PYTHONPATH="$2"
+[ -n "${2:-}" ] && { export PYTHONPATH="$2"; cd "$2"; }  # cd: a checkout's own ./specdec would come first
 echo "cache: $SPECDEC_CACHE (empty: $(ls -A "$SPECDEC_CACHE" | wc -l) entries); code: $(python -c 'import specdec, os; print(os.path.dirname(specdec.__file__))')"
 drop() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(could not drop the page cache)"; }
 run() { /usr/bin/time -f "real %e s, max RSS %M KB" python -m specdec.api.cli generate "def fib(n):" --max-tokens 32 --temperature 0 2>&1 \
