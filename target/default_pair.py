@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import threading
 import time
