@@ -202,3 +202,25 @@ def test_real_tokenizer_mismatch_is_refused_naming_the_ids(tmp_path):
     assert "2 token ids differ" in message
     assert f"id {a} is {token_a!r} in the target, {token_b!r} in the draft" in message
     assert f"id {b} is {token_b!r} in the target, {token_a!r} in the draft" in message
+
+
+def test_identical_tokenizer_files_are_read_once(tmp_path, monkeypatch):
+    """A draft whose tokenizer files are the target's byte for byte (the default pair's) is not
+    loaded a second time; files that differ at all are loaded and compared as before."""
+    from specdec import engine_parts
+
+    tokenizer = tiny_tokenizer()
+    target = _write_model(tmp_path / "target", tokenizer, len(tokenizer), 2, seed=0)
+    draft = _write_model(tmp_path / "draft", tokenizer, len(tokenizer), 1, seed=1)
+    assert engine_parts.same_tokenizer_files(target, draft)
+    loads = []
+    real = engine_parts.load_tokenizer
+    monkeypatch.setattr(engine_parts, "load_tokenizer", lambda folder: loads.append(folder) or real(folder))
+    _, draft_model, _ = engine_parts.load_engine_parts(_file_config(target, draft))
+    assert loads == [target] and draft_model is not None
+    config = json.loads((draft / "tokenizer_config.json").read_text())
+    (draft / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    assert not engine_parts.same_tokenizer_files(target, draft)
+    loads.clear()
+    engine_parts.load_engine_parts(_file_config(target, draft))
+    assert loads == [target, draft]
