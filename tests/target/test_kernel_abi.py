@@ -18,9 +18,10 @@ from specdec import kernel_abi, native
 from specdec.cache import cpu_attention
 from specdec.config import EngineConfig
 from specdec.engine_parts import resolve_config
-from specdec.target.quant import decoder_stack, qgemm, qlinear
+from specdec.target.quant import decoder_stack, int8_kernel, qgemm, qlinear
 
-KERNELS = {"qgemm": qgemm.KERNEL, "attention": cpu_attention.KERNEL, "decoder": decoder_stack.KERNEL}
+KERNELS = {"qgemm": qgemm.KERNEL, "attention": cpu_attention.KERNEL, "decoder": decoder_stack.KERNEL,
+           "int8_avx2": int8_kernel.KERNEL}
 needs_gcc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
 
