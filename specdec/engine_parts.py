@@ -21,7 +21,7 @@ from specdec.target.default_pair import finish_check
 from specdec.target.family_quant import family_quant
 from specdec.target.model_files import resolve_model
 from specdec.target.model_weights import load_model, parse_dtype
-from specdec.target.quant import decoder_stack, qgemm
+from specdec.target.quant import decoder_stack, int4, qgemm
 from specdec.target.quant.qgemm import load_qgemm
 from specdec.target.runner import ModelRunner
 from specdec.target.tokenizer import load_tokenizer
@@ -61,7 +61,7 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     """Resolve and load the target, the draft (when the draft proposer is used) and the tokenizer."""
     t0 = time.perf_counter()
     if config.resolved_device() == "cpu":  # compilers on the other core while this one reads
-        native.prebuild([qgemm.KERNEL, decoder_stack.KERNEL, cpu_attention.KERNEL])
+        native.prebuild([qgemm.KERNEL, decoder_stack.KERNEL, cpu_attention.KERNEL, int4.QUANTIZER])
     config = resolve_config(config)
     dtype, device = parse_dtype(config.dtype), config.resolved_device()
     # Both folders first: a default model's first sha256 check then runs in the background while

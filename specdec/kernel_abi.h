@@ -77,6 +77,10 @@ int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *la
                    int norm_bf16, float eps, const struct specdec_attention *a, uint16_t *kv, float scale,
                    uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int threads);
 
+/* target/quant/int4_quant.c */
+int int4_quantize_rows(const float *w, int64_t n, int64_t k, int64_t group, int32_t *q, uint16_t *scales_and_zeros,
+                       int64_t sz_rows, int with_error, double *err_sq, int threads);
+
 /* target/quant/int8_avx2.c */
 int int8_gemm_avx2(const float *x, int64_t m, int64_t k, const int8_t *w, const float *w_scale, int64_t n,
                    float *y, int zero_point, int threads);

@@ -120,6 +120,8 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     # h, num_rows, layers, num_layers, norm_bf16, eps, a, kv, scale, qkv, att, gate_up, threads
     "decoder_layers": (_I, [_P, _I64, ctypes.POINTER(Layer), _I64, _I, _F, ctypes.POINTER(Attention), _P,
                             _F, _P, _P, _P, _I]),
+    # w, n, k, group, q, scales_and_zeros, sz_rows, with_error, err_sq, threads
+    "int4_quantize_rows": (_I, [_P, _I64, _I64, _I64, _P, _P, _I64, _I, _P, _I]),
     # x, m, k, w, w_scale, n, y, zero_point, threads
     "int8_gemm_avx2": (_I, [_P, _I64, _I64, _P, _P, _I64, _P, _I, _I]),
     "specdec_abi_version": (_I64, []),

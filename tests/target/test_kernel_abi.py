@@ -18,10 +18,10 @@ from specdec import kernel_abi, native
 from specdec.cache import cpu_attention
 from specdec.config import EngineConfig
 from specdec.engine_parts import resolve_config
-from specdec.target.quant import decoder_stack, int8_kernel, qgemm, qlinear
+from specdec.target.quant import decoder_stack, int4, int8_kernel, qgemm, qlinear
 
 KERNELS = {"qgemm": qgemm.KERNEL, "attention": cpu_attention.KERNEL, "decoder": decoder_stack.KERNEL,
-           "int8_avx2": int8_kernel.KERNEL}
+           "int8_avx2": int8_kernel.KERNEL, "int4_quant": int4.QUANTIZER}
 needs_gcc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
 
@@ -199,3 +199,22 @@ def test_a_prebuilt_kernel_is_compiled_once_and_a_failed_one_keeps_its_message(c
     assert good.load() is not None
     assert "error: expected" in broken.unavailable_reason()
     assert len([c for c in compiles if c.endswith(".so")]) == 3  # good once, broken twice
+
+
+@needs_gcc
+def test_the_int4_quantizer_refuses_what_it_does_not_take(libraries):
+    """Groups other than 32 or not dividing K, a step/zero tensor with fewer rows than asked for,
+    an error asked for with nowhere to put it: a status, nothing written."""
+    import torch
+
+    w, q = torch.randn(4, 256), torch.zeros(4, 256, dtype=torch.int32)
+    sz = torch.zeros(8, 4, 2, dtype=torch.bfloat16)
+    lib, err = libraries["int4_quant"], ctypes.c_double()
+
+    def call(n=4, k=256, group=32, sz_rows=4, err_sq=ctypes.byref(err)):
+        return lib.int4_quantize_rows(w.data_ptr(), n, k, group, q.data_ptr(), sz.data_ptr(), sz_rows, 1, err_sq, 1)
+
+    if int4.QUANTIZER.load() is not None:  # the valid call runs AVX2 code
+        assert call() == kernel_abi.Status.OK and err.value > 0
+    for bad in (dict(group=64), dict(k=100), dict(sz_rows=3), dict(err_sq=None)):
+        assert call(**bad) == kernel_abi.Status.ERR_INVALID_ARGUMENT, bad

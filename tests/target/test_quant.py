@@ -1,5 +1,8 @@
 """Weight-only int4 linears: near exact on 4-bit-grid weights, auto leaves the rest dense, cached."""
 
+import math
+import types
+
 import pytest
 import torch
 
@@ -57,10 +60,42 @@ def test_a_bounded_quantization_decides_as_the_whole_tensor_error_does(monkeypat
             else:
                 assert bounded is None, (error, bound)
     chunks = []
-    real = int4._quantize_int4_rows
-    monkeypatch.setattr(int4, "_quantize_int4_rows", lambda *a: chunks.append(1) or real(*a))
+    for name in ("_quantize_int4_rows", "_quantize_int4_rows_c"):  # the torch path, the C one
+        real = getattr(int4, name)
+        monkeypatch.setattr(int4, name, lambda *a, real=real: chunks.append(1) or real(*a))
     # 16 chunks of ~1M weights (4 rows of 2^18); noise is ~8% off: over 2% of the whole by the 2nd
     assert quantize_int4(torch.randn(64, 1 << 18), 32, 0.02) is None and len(chunks) == 2
+
+
+def _quantizer_cases() -> list[torch.Tensor]:
+    """Grid weights, noise, both, few-level, constant and zero groups, half-way levels, tiny and
+    huge magnitudes, bf16, a group count that is no multiple of 8 (the C quantizer's tail)."""
+    g = torch.Generator().manual_seed(5)
+    grid = grid_weights(64, 512, seed=1)
+    few = grid.clone().view(64, 16, 32)
+    few[:, :, 3:] = few[:, :, :1]  # three distinct values per group
+    halves = (torch.randint(0, 30, (32, 256), generator=g).float() / 2) * 0.01  # levels k / 2
+    return [grid, torch.randn(64, 512, generator=g), torch.cat([grid[:32], torch.randn(32, 512, generator=g)]),
+            few.view(64, 512), halves, torch.full((16, 64), 0.25), torch.zeros(16, 64), grid * 1e-9, grid * 1e5,
+            torch.randn(32, 128, generator=g).bfloat16(), grid_weights(7, 96, seed=2)]
+
+
+@pytest.mark.parametrize("bound", [math.inf, 0.02, 0.3])
+def test_the_c_quantizer_is_bitwise_the_torch_path(monkeypatch, bound):
+    """`int4_quant.c` writes the same q, steps and zeros as `_quantize_int4_rows` and takes the
+    same int4-or-not decisions (the quantized cache files of the real pair are `cmp`-identical)."""
+    from specdec.target.quant import int4
+
+    if int4.QUANTIZER.load() is None:
+        pytest.skip(f"the C quantizer cannot run here: {int4.QUANTIZER.unavailable_reason()}")
+    for w in _quantizer_cases():
+        c = quantize_int4(w, 32, bound)
+        with monkeypatch.context() as mp:
+            mp.setattr(int4, "QUANTIZER", types.SimpleNamespace(load=lambda: None))
+            reference = quantize_int4(w, 32, bound)
+        assert (c is None) == (reference is None), (tuple(w.shape), bound)
+        if c is not None:
+            assert torch.equal(c[0], reference[0]) and torch.equal(c[1], reference[1]), tuple(w.shape)
 
 
 def test_auto_picks_int4_for_grid_and_leaves_the_rest_dense():
