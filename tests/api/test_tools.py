@@ -122,9 +122,12 @@ def test_parallel_calls_each_validate(client, parts):
 def test_each_of_n_choices_parses_its_own_calls(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                   max_tokens=200, temperature=1.0, seed=3, n=2)
-    whole = client.chat.completions.create(**kwargs).choices
+    # Each request salted: both prefill the prompt whole. A prefix cached by the first (or by an
+    # earlier test) would let the second prefill one row instead, which rounds differently on
+    # the fp32 torch path, and at temperature 1 a sample can then differ (seen in CI).
+    whole = client.chat.completions.create(**kwargs, extra_body={"cache_salt": "whole"}).choices
     streamed = {0: ["", ""], 1: ["", ""]}
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
+    for chunk in client.chat.completions.create(stream=True, **kwargs, extra_body={"cache_salt": "streamed"}):
         for choice in chunk.choices:
             for call in choice.delta.tool_calls or []:
                 streamed[choice.index][0] += call.function.name or ""
