@@ -135,6 +135,12 @@ def fuse_int4(parts: list[nn.Module]) -> Int4Linear | None:
     )
 
 
+def chunk_rows(in_features: int) -> int:
+    """Rows per chunk of ~1M weights, the quantizers' unit of work: a chunk's temporaries stay in
+    cache (1.3x faster than 4M for int4; whole-tensor temporaries made int8 groups 5x slower)."""
+    return max(1, (1 << 20) // in_features)
+
+
 def quantize_int4(
     weight: torch.Tensor, group_size: int, max_error: float = math.inf,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -154,7 +160,7 @@ def quantize_int4(
     sz = torch.empty(k // group_size, n, 2, dtype=torch.bfloat16)
     limit = math.inf if max_error == math.inf else (max_error * weight.float().norm().clamp(min=1e-12).item()) ** 2
     error = 0.0  # the squared error so far
-    rows = max(1, (1 << 20) // k)  # chunks of ~1M weights: the temporaries stay in cache (1.3x faster than 4M)
+    rows = chunk_rows(k)
     lib = QUANTIZER.load() if group_size == 32 else None
     for r in range(0, n, rows):
         if lib is not None:

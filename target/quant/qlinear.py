@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdec.kernel_abi import check_tensor, raise_for_status
-from specdec.target.quant.int4 import quantize_int4
+from specdec.target.quant.int4 import chunk_rows, quantize_int4
 from specdec.target.quant.int8 import cat_biases
 from specdec.target.quant.qgemm import FLOATS, GROUP_BYTES, check_weights, require_qgemm
 
@@ -168,7 +168,7 @@ def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     n, k = weight.shape
     q = torch.empty(n, k, dtype=torch.int32)
     step = torch.empty(n, k // GROUP, dtype=torch.bfloat16)
-    rows = max(1, (1 << 20) // k)
+    rows = chunk_rows(k)
     for r in range(0, n, rows):
         w = weight[r : r + rows].float().view(-1, k // GROUP, GROUP)  # [rows, G, 32]
         s = step[r : r + rows]  # [rows, G]
