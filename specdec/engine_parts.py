@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,7 @@ from specdec.target.model_weights import load_model, parse_dtype
 from specdec.target.quant import decoder_stack, int4, qgemm
 from specdec.target.quant.qgemm import load_qgemm
 from specdec.target.runner import ModelRunner
-from specdec.target.tokenizer import load_tokenizer
+from specdec.target.tokenizer import load_tokenizer, same_tokenizer_files
 
 GIB = 1 << 30
 # How many ids a draft's and a target's vocabularies may differ by when one only pads the other
@@ -82,25 +81,6 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     if log:
         log(f"loaded models in {time.perf_counter() - t0:.1f}s")
     return target, draft, tokenizer
-
-
-# What transformers reads a tokenizer from; tokenizer.json alone defines the token -> id map of a fast one.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "tokenizer.model")
-
-
-def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
-    """Whether folders `a` and `b` hold byte-identical tokenizer files (a `tokenizer.json` in both,
-    and the same others): the same tokenizer, without loading the second one (~1.5 s for Qwen2.5's
-    151k tokens; the default pair's are identical)."""
-    a, b = Path(a), Path(b)
-    if not (a / "tokenizer.json").is_file():
-        return False
-    for name in TOKENIZER_FILES:
-        fa, fb = a / name, b / name
-        if fa.is_file() != fb.is_file() or (fa.is_file() and fa.read_bytes() != fb.read_bytes()):
-            return False
-    return True
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any, config: EngineConfig) -> None:
