@@ -143,10 +143,15 @@ def loaded_line(load_s: float, warm_s: float | None) -> str:
 
 
 def describe_engine(config: EngineConfig) -> str:
-    """The loaded line's summary of a config: proposer and k, dtype, and prefix caching if off."""
+    """The loaded line's summary of a config: proposer and k, dtype, prefix caching if off, and on
+    the CPU what runs the C kernels ("kernels: avx2 (SPECDEC_ISA=avx2; this CPU: avx512-vnni)")."""
+    from specdec import native
+
     mode = "target only" if not config.speculative else f"{config.proposer} proposer, k={config.num_speculative_tokens}"
     text = f"{mode} · {config.dtype}"
-    return text if config.enable_prefix_caching else text + " · prefix caching off"
+    if not config.enable_prefix_caching:
+        text += " · prefix caching off"
+    return text + (f" · {native.describe_simd()}" if config.resolved_device() == "cpu" else "")
 
 
 def _is_chat(engine) -> bool:

@@ -71,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
     logger.info("serving %r on http://%s:%d (the chat page is at /; /health is 503 while the models "
                 "load and warm up)",
                 settings.model_name, args.host, args.port)
+    if config.resolved_device() == "cpu":
+        from specdec import native
+
+        logger.info(native.describe_simd())
     server.run()
     if failed:
         logger.error("specdec serve stopped: %s", failed[0])

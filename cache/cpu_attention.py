@@ -3,7 +3,7 @@
 Replaces the ~30 torch ops a layer's attention takes on the reference path (rope, two scatters,
 the gathers, the masks, SDPA) for bf16 models on a bf16 cache: the per-op overhead of those, not
 the arithmetic, is what decoding a few rows pays on the CPU. Reads keys and values in place through
-the block tables. Where the kernel cannot run (`SPECDEC_NO_KERNELS=1`, no AVX-512, no compiler),
+the block tables. Where the kernel cannot run (`SPECDEC_NO_KERNELS=1`, no AVX2, no compiler),
 `load_attention()` is None and the model keeps the reference path.
 """
 
@@ -19,12 +19,14 @@ from specdec.kernel_abi import MAX_HEAD_DIM, check_tensor
 
 from .metadata import AttentionMetadata
 
-KERNEL = native.NativeKernel(
-    (Path(__file__).with_name("paged_attention.c"),),
-    flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
-    cpu_flags=("avx512f", "avx512bw", "avx512dq", "avx512vl"),
-    functions=("rope_write_attend",),
-)
+SOURCE = Path(__file__).with_name("paged_attention.c")
+
+
+def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
+    """The library for `level` (None: the one this machine runs; see `native.simd_kernel`)."""
+    return native.simd_kernel((SOURCE,), ("rope_write_attend",), level)
+
+
 # Longer windows (prefill) go to SDPA: the kernel walks the keys once per query row, which at
 # 1,000 prompt tokens is 1.3x and at 3,000 2.1x slower than SDPA's blocked loops (draft prefill).
 MAX_QUERY_LEN = 64
@@ -32,7 +34,7 @@ MAX_QUERY_LEN = 64
 
 def load_attention() -> ctypes.CDLL | None:
     """The loaded kernel, building it on first use; None where it cannot run."""
-    return KERNEL.load()
+    return kernel().load()
 
 
 def supports(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, k_scale: float, v_scale: float) -> bool:
@@ -79,7 +81,7 @@ def rope_write_attend(
     check_tensor("v_cache", v_cache, (torch.bfloat16,), tuple(k_cache.shape))
     lib = meta.scratch.get("cpu_attention_lib") or load_attention()
     if lib is None:
-        raise RuntimeError(f"the CPU attention kernel cannot run here: {KERNEL.unavailable_reason()}")
+        raise RuntimeError(f"the CPU attention kernel cannot run here: {kernel().unavailable_reason()}")
     out = qkv.new_empty(qkv.shape[0], num_q_heads * a.d)
     rc = lib.rope_write_attend(
         ctypes.byref(a), qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), scale,

@@ -8,8 +8,9 @@
  *   3. attends: query row i of sequence b sits at position seq_len_b - query_len_b + i and sees
  *      keys 0..that position, read in place through the block table (nothing gathered or padded).
  *
- * Attention runs in fp32 with an online softmax over chunks of 16 keys (one AVX-512 exp per
- * chunk) and rounds the output to bf16. Each (query row, query head) is one work item computed by
+ * Attention runs in fp32 with an online softmax over chunks of 16 keys (one 16-lane exp per
+ * chunk) and rounds the output to bf16. Written on `simd.h`'s 16-lane vectors, so the AVX-512
+ * and AVX2 builds compute bitwise the same. Each (query row, query head) is one work item computed by
  * one thread in a fixed order, so a row's result does not depend on what else is in the batch:
  * verifying k+1 rows gives bitwise the rows that k+1 single-row steps give.
  */
@@ -17,17 +18,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "avx512_common.h"
 #include "kernel_abi.h"
+#include "simd.h"
 
 #define KEYS 16 /* keys per softmax chunk: one zmm of scores */
-
-static inline __m512 round_bf16(__m512 v) { /* fp32 -> nearest bf16, kept in fp32 */
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xFFFF0000u)));
-}
 
 /* Rotate `heads` heads of `d` bf16 values at x in place (neox halves), as apply_rope does in bf16. */
 static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
@@ -35,15 +29,13 @@ static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, 
     for (int64_t h = 0; h < heads; h++) {
         uint16_t *v = x + h * d;
         for (int64_t i = 0; i < half; i += 16) { /* lanes i.. of both halves at once */
-            const __m512 x1 = bf16x16_to_fp32(v + i), x2 = bf16x16_to_fp32(v + half + i);
-            const __m512 c1 = round_bf16(_mm512_loadu_ps(cos + i));
-            const __m512 c2 = round_bf16(_mm512_loadu_ps(cos + half + i));
-            const __m512 s1 = round_bf16(_mm512_loadu_ps(sin + i));
-            const __m512 s2 = round_bf16(_mm512_loadu_ps(sin + half + i));
-            const __m512 y1 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, c1)), round_bf16(_mm512_mul_ps(x2, s1)));
-            const __m512 y2 = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, c2)), round_bf16(_mm512_mul_ps(x1, s2)));
-            _mm256_storeu_si256((__m256i *)(v + i), fp32x16_to_bf16(y1));
-            _mm256_storeu_si256((__m256i *)(v + half + i), fp32x16_to_bf16(y2));
+            const vf x1 = vf_load_bf16(v + i), x2 = vf_load_bf16(v + half + i);
+            const vf c1 = vf_round_bf16(vf_load(cos + i)), c2 = vf_round_bf16(vf_load(cos + half + i));
+            const vf s1 = vf_round_bf16(vf_load(sin + i)), s2 = vf_round_bf16(vf_load(sin + half + i));
+            const vf y1 = vf_add(vf_round_bf16(vf_mul(x1, c1)), vf_round_bf16(vf_mul(x2, s1)));
+            const vf y2 = vf_add(vf_round_bf16(vf_mul(x2, c2)), vf_round_bf16(vf_mul(x1, s2)));
+            vf_store_bf16(v + i, y1);
+            vf_store_bf16(v + half + i, y2);
         }
     }
 }
@@ -54,7 +46,7 @@ static void attend_one(const float *q, int64_t num_keys, int64_t d, const uint16
                        int64_t slot_stride, float scale, float *acc, uint16_t *out) {
     const int64_t vecs = d / 16;
     float max = -INFINITY, sum = 0.0f;
-    for (int64_t v = 0; v < vecs; v++) _mm512_storeu_ps(acc + 16 * v, _mm512_setzero_ps());
+    for (int64_t v = 0; v < vecs; v++) vf_store(acc + 16 * v, vf_zero());
     for (int64_t j0 = 0; j0 < num_keys; j0 += KEYS) {
         const int64_t n = num_keys - j0 < KEYS ? num_keys - j0 : KEYS;
         int64_t offs[KEYS];
@@ -63,30 +55,27 @@ static void attend_one(const float *q, int64_t num_keys, int64_t d, const uint16
             const int64_t key = j0 + j;
             offs[j] = ((int64_t)blocks[key / block_size] * block_size + key % block_size) * slot_stride;
             const uint16_t *kp = k_cache + offs[j];
-            __m512 dot = _mm512_setzero_ps();
-            for (int64_t v = 0; v < vecs; v++)
-                dot = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * v), bf16x16_to_fp32(kp + 16 * v), dot);
-            s[j] = _mm512_reduce_add_ps(dot) * scale;
+            vf dot = vf_zero();
+            for (int64_t v = 0; v < vecs; v++) dot = vf_fmadd(vf_load(q + 16 * v), vf_load_bf16(kp + 16 * v), dot);
+            s[j] = vf_reduce_add(dot) * scale;
         }
-        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, s);
-        const float chunk_max = _mm512_reduce_max_ps(sv);
+        for (int64_t j = n; j < KEYS; j++) s[j] = -INFINITY; /* a short last chunk */
+        const vf sv = vf_load(s);
+        const float chunk_max = vf_reduce_max(sv);
         const float new_max = chunk_max > max ? chunk_max : max;
         const float rescale = max == -INFINITY ? 0.0f : expf(max - new_max);
-        const __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(new_max))));
-        _mm512_storeu_ps(s, p);
-        sum = sum * rescale + _mm512_reduce_add_ps(p);
+        vf_store(s, vf_exp(vf_sub(sv, vf_set1(new_max))));
+        for (int64_t j = n; j < KEYS; j++) s[j] = 0.0f; /* e^-inf: vf_exp holds its input to -87 */
+        sum = sum * rescale + vf_reduce_add(vf_load(s));
         max = new_max;
         for (int64_t v = 0; v < vecs; v++) {
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), _mm512_set1_ps(rescale));
-            for (int64_t j = 0; j < n; j++)
-                a = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), bf16x16_to_fp32(v_cache + offs[j] + 16 * v), a);
-            _mm512_storeu_ps(acc + 16 * v, a);
+            vf a = vf_mul(vf_load(acc + 16 * v), vf_set1(rescale));
+            for (int64_t j = 0; j < n; j++) a = vf_fmadd(vf_set1(s[j]), vf_load_bf16(v_cache + offs[j] + 16 * v), a);
+            vf_store(acc + 16 * v, a);
         }
     }
-    const __m512 inv = _mm512_set1_ps(sum > 0.0f ? 1.0f / sum : 0.0f);
-    for (int64_t v = 0; v < vecs; v++)
-        _mm256_storeu_si256((__m256i *)(out + 16 * v), fp32x16_to_bf16(_mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), inv)));
+    const vf inv = vf_set1(sum > 0.0f ? 1.0f / sum : 0.0f);
+    for (int64_t v = 0; v < vecs; v++) vf_store_bf16(out + 16 * v, vf_mul(vf_load(acc + 16 * v), inv));
 }
 
 /* Checks the sizes and indices before anything is read or written: SPECDEC_OK when they are all
@@ -156,7 +145,7 @@ int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t 
             const int64_t query_len = query_start_loc[b + 1] - query_start_loc[b];
             const int64_t num_keys = seq_lens[b] - query_len + (t - query_start_loc[b]) + 1;
             const uint16_t *qp = qkv + t * row_stride + h * d;
-            for (int64_t v = 0; v < d / 16; v++) _mm512_storeu_ps(q + 16 * v, bf16x16_to_fp32(qp + 16 * v));
+            for (int64_t v = 0; v < d / 16; v++) vf_store(q + 16 * v, vf_load_bf16(qp + 16 * v));
             const int64_t kv_head = h / (hq / hkv);
             attend_one(q, num_keys, d, k_cache + kv_head * d, v_cache + kv_head * d,
                        block_tables + b * max_blocks, block_size, kv_width, scale, acc,

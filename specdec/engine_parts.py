@@ -39,8 +39,8 @@ class TokenizerMismatchError(ValueError):
 def resolve_config(config: EngineConfig) -> EngineConfig:
     """`config` with the quantization of each model chosen where it is None.
 
-    On the CPU in bfloat16, where the AVX-512 VNNI kernel runs (`quant.qgemm`, built here once,
-    ~2 s), the target takes "w4a8-auto" and the draft "w4a8"; without the kernel "w8a8" and
+    On the CPU in bfloat16, where the C kernel runs (`quant.qgemm`: AVX2 or better, built here
+    once, ~2 s), the target takes "w4a8-auto" and the draft "w4a8"; without the kernel "w8a8" and
     "int4+w8a8"; elsewhere "none" (see `EngineConfig.target_quant`). Families the quantized
     path does not implement (Gemma, Phi-3) take "none", logged (`family_quant`).
     """
@@ -60,7 +60,7 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     """Resolve and load the target, the draft (when the draft proposer is used) and the tokenizer."""
     t0 = time.perf_counter()
     if config.resolved_device() == "cpu":  # compilers on the other core while this one reads
-        native.prebuild([qgemm.KERNEL, decoder_stack.KERNEL, cpu_attention.KERNEL, int4.QUANTIZER])
+        native.prebuild([qgemm.kernel(), decoder_stack.kernel(), cpu_attention.kernel(), int4.QUANTIZER])
     config = resolve_config(config)
     dtype, device = parse_dtype(config.dtype), config.resolved_device()
     # Both folders first: a default model's first sha256 check then runs in the background while
@@ -79,7 +79,7 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
         if folder is not None:
             finish_check(folder)
     if log:
-        log(f"loaded models in {time.perf_counter() - t0:.1f}s")
+        log(f"loaded models in {time.perf_counter() - t0:.1f}s; {native.describe_simd()}")
     return target, draft, tokenizer
 
 

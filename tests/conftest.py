@@ -3,3 +3,19 @@
 import torch
 
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+from specdec import native  # noqa: E402
+
+# The instruction-set levels of the C kernels this machine runs (an AVX-512 VNNI CPU runs all
+# three), named by `SPECDEC_ISA`: kernel tests run at each, as a user holding the level would.
+MACHINE_LEVELS = [level.name for level in native.machine_levels()]
+
+
+@pytest.fixture(params=MACHINE_LEVELS or [pytest.param("none", marks=pytest.mark.skip(reason="no SIMD level runs here"))])
+def simd_level(request, monkeypatch) -> str:
+    """Each level this machine runs in turn, held with `SPECDEC_ISA` for the test's duration."""
+    monkeypatch.setenv(native.ISA_ENV, request.param)
+    monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
+    return request.param

@@ -21,12 +21,12 @@ from specdec.target.rope import Rotation
 
 # qgemm and rope_write_attend in one library, so decoder.c calls them directly (linked, checked
 # against kernel_abi.h by the compiler) rather than through a pointer passed in from Python.
-KERNEL = native.NativeKernel(
-    (qgemm.SOURCE.with_name("decoder.c"), qgemm.SOURCE, cpu_attention.KERNEL.sources[0]),
-    flags=tuple(dict.fromkeys(qgemm.KERNEL.flags + cpu_attention.KERNEL.flags)),
-    cpu_flags=tuple(dict.fromkeys(qgemm.KERNEL.cpu_flags + cpu_attention.KERNEL.cpu_flags)),
-    functions=("decoder_layers",),
-)
+SOURCES = (qgemm.SOURCE.with_name("decoder.c"), qgemm.SOURCE, cpu_attention.SOURCE)
+
+
+def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
+    """The library for `level` (None: the one this machine runs; see `native.simd_kernel`)."""
+    return native.simd_kernel(SOURCES, ("decoder_layers",), level, qgemm.HEADERS)
 
 
 class NativeDecoderStack:
@@ -89,7 +89,7 @@ class NativeDecoderStack:
             and layers[0].self_attn.head_dim % 32 == 0
             and layers[0].self_attn.head_dim <= kernel_abi.MAX_HEAD_DIM
         )
-        if not fits or (lib := KERNEL.load()) is None:
+        if not fits or (lib := kernel().load()) is None:
             return None
         return cls(model, lib)
 

@@ -6,15 +6,18 @@
  * (x ~ xq * xs, xq in -127..127), so an outlier channel only coarsens its own group (as
  * llama.cpp's Q8 activation blocks do; per-row int8 needs SmoothQuant instead).
  *
- * The inner product of a group is exact in int32 (AVX-512 VNNI `vpdpbusd`: unsigned weight bytes
- * times signed activation bytes); the weight offset is removed with the group's activation sum:
+ * The inner product of a group is exact in int32 (`qgemm_tiles.h`, per instruction-set level:
+ * AVX-512 VNNI or AVX-VNNI `vpdpbusd`, unsigned weight bytes times signed activation bytes, or
+ * AVX2 `vpmaddubsw` + `vpmaddwd`); the weight offset is removed with the group's activation sum:
  *   sum_k w_k x_k ~ xs_g * (step_n * (isum - off * xsum_g) + zero_n * xsum_g).
  * Every row runs the same instructions in the same order whatever the other rows are, and an
  * output channel is computed by one thread, so results are bitwise independent of the batch
- * (speculative verification of k+1 rows equals k+1 single-row forwards).
+ * (speculative verification of k+1 rows equals k+1 single-row forwards). The integer sums are
+ * exact and the float work (`simd.h`) is the same lane by lane at every level, so the AVX2 and
+ * AVX-VNNI builds return bitwise what the AVX-512 build returns.
  *
  * Each weight tile is read once per call however many rows there are: rows are processed in
- * chunks of up to 6 against the tile while it sits in L1/L2, so verifying k+1 tokens costs about
+ * chunks of up to MAX_ROWS against the tile while it sits in L1/L2, so verifying k+1 tokens costs about
  * what one costs until the VNNI units, not memory, are the limit.
  *
  * Tile layout (bytes, per group g of the tile, groups in order):
@@ -26,21 +29,22 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "avx512_common.h"
 #include "kernel_abi.h"
+#include "simd.h"
 
 #define GROUP SPECDEC_GROUP
 #define TILE SPECDEC_TILE
-#define MAX_ROWS 6
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 2048
 #endif
 
-/* acc += w (16 x 4 unsigned bytes) . the 4 signed bytes at `a`, broadcast to every lane. Written in
- * asm so the broadcast stays a memory operand: with the intrinsic, gcc hoists the broadcasts into
- * vectors spilled to the stack. */
-#define DPBUSD_BCST(acc, w, a) \
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)(a)))
+/* One group's activation constants (see quantize_rows). */
+struct group_consts {
+    float scale, sum, int4_offset, int8_offset; /* xs, xs * sum(xq), 8 * that, 128 * that */
+    int32_t isum;                               /* sum(xq) */
+};
+
+#include "qgemm_tiles.h" /* tile_rows and MAX_ROWS for this build's instruction set */
 
 static inline float load_x(const void *x, int x_bf16, int64_t i) {
     if (x_bf16) {
@@ -52,8 +56,8 @@ static inline float load_x(const void *x, int x_bf16, int64_t i) {
     return ((const float *)x)[i];
 }
 
-static inline __m512 load16(const void *x, int x_bf16, int64_t i) {
-    return x_bf16 ? bf16x16_to_fp32((const uint16_t *)x + i) : _mm512_loadu_ps((const float *)x + i);
+static inline vf load16(const void *x, int x_bf16, int64_t i) {
+    return x_bf16 ? vf_load_bf16((const uint16_t *)x + i) : vf_load((const float *)x + i);
 }
 
 /* The 32 fp32 inputs of group g of row r: x itself, RMSNorm(x) (norm_w), or with `glu` (x is
@@ -62,25 +66,23 @@ static inline void load_group(const void *x, int x_bf16, int64_t r, int64_t g, i
                               const float *inv_rms, const void *norm_w, int norm_w_bf16, float *v) {
     for (int i = 0; i < GROUP; i += 16) {
         const int64_t col = g * GROUP + i;
-        __m512 a;
+        vf a;
         if (glu) {
-            const __m512 gate = load16(x, x_bf16, r * 2 * k + col), up = load16(x, x_bf16, r * 2 * k + k + col);
-            const __m512 sig = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate)));
-            a = _mm512_div_ps(_mm512_mul_ps(gate, up), sig);
+            const vf gate = load16(x, x_bf16, r * 2 * k + col), up = load16(x, x_bf16, r * 2 * k + k + col);
+            const vf sig = vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gate)));
+            a = vf_div(vf_mul(gate, up), sig);
         } else {
             a = load16(x, x_bf16, r * k + col);
             if (norm_w) /* RMSNorm fused in: x * rsqrt(mean(x^2) + eps) * w, in fp32 */
-                a = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(inv_rms[r])), load16(norm_w, norm_w_bf16, col));
+                a = vf_mul(vf_mul(a, vf_set1(inv_rms[r])), load16(norm_w, norm_w_bf16, col));
         }
-        _mm512_storeu_ps(v + i, a);
+        vf_store(v + i, a);
     }
 }
 
-/* x -> xq [M, K] int8 and, per row and group of 32, the constants the tiles need:
- * gc[.][0] = xs (the group's scale), gc[.][1] = xs * sum(xq), gc[.][2] = 8 * gc[.][1] (int4 offset),
- * gc[.][3] = 128 * gc[.][1] (int8 offset). */
+/* x -> xq [M, K] int8 and, per row and group of 32, the constants the tiles need (gc). */
 static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const float *inv_rms,
-                          const void *norm_w, int norm_w_bf16, int8_t *xq, float (*gc)[4], int threads) {
+                          const void *norm_w, int norm_w_bf16, int8_t *xq, struct group_consts *gc, int threads) {
     const int64_t groups = k / GROUP;
 #pragma omp parallel for num_threads(threads) schedule(static) if (m * k > (1 << 16))
     for (int64_t idx = 0; idx < m * groups; idx++) {
@@ -97,97 +99,33 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int g
             sum += q;
         }
         const float c = scale * (float)sum;
-        gc[idx][0] = scale, gc[idx][1] = c, gc[idx][2] = 8.0f * c, gc[idx][3] = 128.0f * c;
-    }
-}
-
-/* One tile (16 outputs) against `R` rows; acc[r] receives the 16 fp32 results of row r.
- * Two int32 accumulators per row (even and odd halves of each group) halve the dependency chains
- * of `vpdpbusd`, whose latency otherwise bounds the loop. Per group and row:
- *   acc += step * (cvt(isum) * xs - off * xs * sum(xq)) + zero * xs * sum(xq). */
-static inline __attribute__((always_inline)) void tile_rows(
-    const uint8_t *tile, int bits, int64_t groups, const int8_t *xq, const float (*gc)[4],
-    int64_t k, const int R, __m512 *acc) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
-    const uint8_t *p = tile;
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i even[MAX_ROWS], odd[MAX_ROWS];
-        for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_si512();
-        const int8_t *xg = xq + g * GROUP;
-        if (bits == 4) {
-            for (int b = 0; b < 4; b++, p += 64) {
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                __m512i w = _mm512_loadu_si512((const void *)p);
-                __m512i lo = _mm512_and_si512(w, nibble);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-                for (int r = 0; r < R; r++) {
-                    const int8_t *a = xg + r * k + 8 * b;
-                    DPBUSD_BCST(even[r], lo, a);
-                    DPBUSD_BCST(odd[r], hi, a + 4);
-                }
-            }
-        } else {
-            for (int b = 0; b < 8; b += 2, p += 128) {
-                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
-                _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
-                __m512i w0 = _mm512_loadu_si512((const void *)p);
-                __m512i w1 = _mm512_loadu_si512((const void *)(p + 64));
-                for (int r = 0; r < R; r++) {
-                    const int8_t *a = xg + r * k + 4 * b;
-                    DPBUSD_BCST(even[r], w0, a);
-                    DPBUSD_BCST(odd[r], w1, a + 4);
-                }
-            }
-        }
-        const __m512 step = bf16x16_to_fp32(p);
-        p += 32;
-        if (bits == 4) {
-            const __m512 zero = bf16x16_to_fp32(p);
-            p += 32;
-            for (int r = 0; r < R; r++) {
-                const float *c = gc[r * groups + g];
-                __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
-                t = _mm512_fmsub_ps(t, _mm512_set1_ps(c[0]), _mm512_set1_ps(c[2]));
-                acc[r] = _mm512_fmadd_ps(step, t, acc[r]);
-                acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(c[1]), acc[r]);
-            }
-        } else {
-            for (int r = 0; r < R; r++) {
-                const float *c = gc[r * groups + g];
-                __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
-                t = _mm512_fmsub_ps(t, _mm512_set1_ps(c[0]), _mm512_set1_ps(c[3]));
-                acc[r] = _mm512_fmadd_ps(step, t, acc[r]);
-            }
-        }
+        gc[idx] = (struct group_consts){scale, c, 8.0f * c, 128.0f * c, sum};
     }
 }
 
 /* y = acc + bias (+ residual: rounded to y's dtype first, then added in fp32 and rounded again,
  * which is bitwise `residual + linear(x)` in torch). */
-static inline void store_rows(const __m512 *acc, int R, const float *bias, const void *res, void *y,
+static inline void store_rows(const vf *acc, int R, const float *bias, const void *res, void *y,
                               int y_bf16, int64_t n, int64_t row0, int64_t col0) {
-    const __m512 b = bias ? _mm512_loadu_ps(bias + col0) : _mm512_setzero_ps();
+    const vf b = bias ? vf_load(bias + col0) : vf_zero();
     for (int r = 0; r < R; r++) {
-        __m512 v = _mm512_add_ps(acc[r], b);
+        vf v = vf_add(acc[r], b);
         const int64_t at = (row0 + r) * n + col0;
         if (y_bf16) {
-            __m256i h = fp32x16_to_bf16(v);
-            if (res)
-                h = fp32x16_to_bf16(_mm512_add_ps(bf16x16_to_fp32(&h), bf16x16_to_fp32((const uint16_t *)res + at)));
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), h);
+            if (res) v = vf_add(vf_round_bf16(v), vf_load_bf16((const uint16_t *)res + at));
+            vf_store_bf16((uint16_t *)y + at, v);
         } else {
-            if (res) v = _mm512_add_ps(v, _mm512_loadu_ps((const float *)res + at));
-            _mm512_storeu_ps((float *)y + at, v);
+            if (res) v = vf_add(v, vf_load((const float *)res + at));
+            vf_store((float *)y + at, v);
         }
     }
 }
 
-#define TILE_ROWS(R)                                                                              \
-    do {                                                                                          \
-        __m512 acc[MAX_ROWS];                                                                     \
-        tile_rows(tile, bits, groups, xq + row * k, gc + row * groups, k, R, acc);                \
-        store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                    \
+#define TILE_ROWS(R)                                                                  \
+    do {                                                                              \
+        vf acc[MAX_ROWS];                                                             \
+        tile_rows(tile, bits, groups, xq + row * k, gc + row * groups, k, R, acc);    \
+        store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);              \
     } while (0)
 
 /* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
@@ -207,7 +145,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         if (tile_bits[t] != 4 && tile_bits[t] != 8) return SPECDEC_ERR_INVALID_ARGUMENT;
     const int64_t groups = k / GROUP;
     int8_t *xq = (int8_t *)malloc((size_t)(m * k));
-    float(*gc)[4] = (float(*)[4])malloc(sizeof(float[4]) * (size_t)(m * groups));
+    struct group_consts *gc = (struct group_consts *)malloc(sizeof(struct group_consts) * (size_t)(m * groups));
     float *inv_rms = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
     if (!xq || !gc || !inv_rms) {
         free(xq), free(gc), free(inv_rms);
@@ -230,10 +168,14 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         const uint8_t *tile = tiles + tile_offsets[t];
         const int bits = tile_bits[t];
         int64_t row = 0;
-        for (; row + 6 <= m; row += 6) TILE_ROWS(6);
-        switch (m - row) {
+        for (; row + MAX_ROWS <= m; row += MAX_ROWS) TILE_ROWS(MAX_ROWS);
+        switch (m - row) { /* the rest, each count its own unrolled instance */
+#if MAX_ROWS > 5
             case 5: TILE_ROWS(5); break;
+#endif
+#if MAX_ROWS > 4
             case 4: TILE_ROWS(4); break;
+#endif
             case 3: TILE_ROWS(3); break;
             case 2: TILE_ROWS(2); break;
             case 1: TILE_ROWS(1); break;

@@ -1,8 +1,10 @@
-"""Build and load the group-quantized GEMM kernel (`qgemm.c`) for this CPU (see `specdec.native`),
-and check a `QLinear`'s buffers before their pointers reach it (`check_weights`).
+"""Build and load the group-quantized GEMM kernel (`qgemm.c`) for this CPU's instruction-set level
+(`specdec.native.simd_level`: AVX-512 VNNI, AVX-VNNI or AVX2, bitwise the same results), and check
+a `QLinear`'s buffers before their pointers reach it (`check_weights`).
 
-Where there is no compiler, no AVX-512 VNNI, the build failed, or `SPECDEC_NO_KERNELS=1` is set,
-`load_qgemm()` returns None and the engine keeps torch's kernels (`"w8a8"`).
+Where there is no compiler, no AVX2, the build failed, `SPECDEC_ISA=none` or
+`SPECDEC_NO_KERNELS=1` is set, `load_qgemm()` returns None and the engine keeps torch's kernels
+(`"w8a8"`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from specdec import native
 from specdec.kernel_abi import GROUP, TILE, check_tensor
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-KERNEL = native.NativeKernel(
-    (SOURCE,),
-    flags=("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-    cpu_flags=("avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
-    functions=("qgemm",),
-)
+HEADERS = (SOURCE.with_name("qgemm_tiles.h"),)
+
+
+def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
+    """The library for `level` (None: the one this machine runs; see `native.simd_kernel`)."""
+    return native.simd_kernel((SOURCE,), ("qgemm",), level, HEADERS)
+
+
 FLOATS = (torch.bfloat16, torch.float32)  # what x, y, residual and norm weights may be
 GROUP_BYTES = {4: 320, 8: 544}  # bytes per group of 32 inputs in an int4 / int8 tile (qgemm.c)
 
@@ -32,12 +36,12 @@ class KernelUnavailableError(RuntimeError):
 
 def unavailable_reason() -> str | None:
     """Why the kernel cannot be used on this machine, or None when it can."""
-    return KERNEL.unavailable_reason()
+    return kernel().unavailable_reason()
 
 
 def load_qgemm() -> ctypes.CDLL | None:
     """The loaded kernel library, building it on first use; None where it cannot run."""
-    return KERNEL.load()
+    return kernel().load()
 
 
 def require_qgemm() -> ctypes.CDLL:
@@ -46,7 +50,7 @@ def require_qgemm() -> ctypes.CDLL:
     if lib is None:
         reason = unavailable_reason() or f"loading {SOURCE.name}'s library failed"
         raise KernelUnavailableError(
-            f"quantization 'w4a8' needs the AVX-512 VNNI kernel, which cannot run here: {reason}. "
+            f"quantization 'w4a8' needs specdec's C kernel (AVX2 or better), which cannot run here: {reason}. "
             "Use 'w8a8' instead."
         )
     return lib

@@ -15,7 +15,7 @@ from tests.cache.test_paged_attention import DECODE, FP8, HEAD_DIM, MIXED, build
 
 pytestmark = pytest.mark.skipif(
     cpu_attention.load_attention() is None,
-    reason=f"CPU attention kernel unavailable: {cpu_attention.KERNEL.unavailable_reason() or 'build failed'}",
+    reason=f"CPU attention kernel unavailable: {cpu_attention.kernel().unavailable_reason() or 'build failed'}",
 )
 BF16_TOL = dict(atol=2e-2, rtol=2e-2)
 
@@ -51,7 +51,7 @@ def _run(query, cache, meta, per_seq, rope=None):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("group", [1, 2, 7])
 @pytest.mark.parametrize("windows", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_matches_dense_attention_and_the_reference(block_size, group, windows):
+def test_matches_dense_attention_and_the_reference(block_size, group, windows, simd_level):
     query, cache, meta, per_seq = build_case(block_size, group, torch.bfloat16, windows=windows)
     out, _ = _run(query, cache, meta, per_seq)
     assert out.dtype == torch.bfloat16 and out.shape == query.shape
@@ -61,7 +61,7 @@ def test_matches_dense_attention_and_the_reference(block_size, group, windows):
     torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
 
 
-def test_rope_and_kv_write_are_bitwise_the_torch_path():
+def test_rope_and_kv_write_are_bitwise_the_torch_path(simd_level):
     """q and k rotated in place, and the cache written, exactly as apply_rope + write_kv do in bf16."""
     query, cache, meta, per_seq = build_case(4, 2, torch.bfloat16, windows=DECODE)
     hq, hkv = query.shape[1], 2
@@ -83,7 +83,7 @@ def test_rope_and_kv_write_are_bitwise_the_torch_path():
     torch.testing.assert_close(out.float(), ref.float(), **BF16_TOL)
 
 
-def test_a_rows_result_does_not_depend_on_the_batch():
+def test_a_rows_result_does_not_depend_on_the_batch(simd_level):
     """Verification of k+1 rows must equal k+1 single-row steps bit for bit (greedy equality)."""
     query, cache, meta, per_seq = build_case(4, 2, torch.bfloat16, windows=DECODE)
     together, qkv = _run(query, cache, meta, per_seq)
@@ -104,6 +104,29 @@ def test_a_rows_result_does_not_depend_on_the_batch():
             qkv[row : row + 1].clone(), 4, 2, None, None, None, *cache.layer(0), single, HEAD_DIM**-0.5
         )
         assert torch.equal(out.view(4, HEAD_DIM), together[row])
+
+
+def test_every_level_computes_bitwise_the_same(monkeypatch):
+    """Rope, the KV write and attention of the AVX2 and AVX-VNNI builds are bitwise the AVX-512
+    build's (the levels this machine runs: all three on an AVX-512 VNNI CPU)."""
+    from tests.conftest import MACHINE_LEVELS
+
+    if len(MACHINE_LEVELS) < 2:
+        pytest.skip(f"one level runs here ({MACHINE_LEVELS}): nothing to compare")
+    results = {}
+    for level in MACHINE_LEVELS:
+        monkeypatch.setenv("SPECDEC_ISA", level)
+        out = []
+        for windows in (MIXED, DECODE):
+            for block_size in (1, 16):
+                query, cache, meta, per_seq = build_case(block_size, 2, torch.bfloat16, windows=windows)
+                positions = torch.tensor([p for s, n in windows for p in range(s - n, s)], dtype=torch.int64)
+                att, qkv = _run(query, cache, meta, per_seq, rope=(positions, *_rope_tables(400, HEAD_DIM)))
+                out += [att, qkv, cache.kv]
+        results[level] = out
+    first = MACHINE_LEVELS[0]
+    for level in MACHINE_LEVELS[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[first], results[level])), (first, level)
 
 
 def test_bad_indices_are_errors_not_crashes():

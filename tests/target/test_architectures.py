@@ -297,7 +297,7 @@ def _decode_logits(model) -> torch.Tensor:
 
 
 @pytest.mark.skipif(cpu_attention.load_attention() is None,
-                    reason=f"CPU attention kernel unavailable: {cpu_attention.KERNEL.unavailable_reason()}")
+                    reason=f"CPU attention kernel unavailable: {cpu_attention.kernel().unavailable_reason()}")
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3", "mistral-window"])
 def test_bf16_on_the_c_attention_matches_the_reference_path(arch, monkeypatch):
     """In bf16 on the CPU the C attention takes the layers it implements (q/k-normed heads, a

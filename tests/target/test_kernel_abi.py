@@ -2,8 +2,9 @@
 agrees with its ctypes twin on every descriptor, constant and status; a disagreement or a
 compiler failure is an error that says what went wrong.
 
-These run on any x86-64 machine with gcc: the libraries are compiled with their AVX-512 flags
-but only `kernel_abi.c` (built without AVX-512) runs, so they do not need the kernels' CPU.
+These run on any x86-64 machine with gcc: the libraries are compiled for every instruction-set
+level (AVX-512 VNNI, AVX-VNNI, AVX2) but only `kernel_abi.c` (built without AVX-512) runs, so they
+do not need the kernels' CPU.
 """
 
 import ctypes
@@ -20,8 +21,11 @@ from specdec.config import EngineConfig
 from specdec.engine_parts import resolve_config
 from specdec.target.quant import decoder_stack, int4, int8_kernel, qgemm, qlinear
 
-KERNELS = {"qgemm": qgemm.KERNEL, "attention": cpu_attention.KERNEL, "decoder": decoder_stack.KERNEL,
-           "int8_avx2": int8_kernel.KERNEL, "int4_quant": int4.QUANTIZER}
+KERNELS = {
+    **{f"{name}-{level.name}": module.kernel(level) for level in native.SIMD_LEVELS
+       for name, module in (("qgemm", qgemm), ("attention", cpu_attention), ("decoder", decoder_stack))},
+    "int8_avx2": int8_kernel.KERNEL, "int4_quant": int4.QUANTIZER,
+}
 needs_gcc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
 
 
@@ -57,8 +61,9 @@ def test_every_library_agrees_with_the_ctypes_descriptors(libraries, name):
 def test_the_decoder_library_links_its_callees(libraries):
     """decoder.c calls qgemm and rope_write_attend built into its own library: no function
     pointer crosses between two libraries."""
-    assert {qgemm.SOURCE, *cpu_attention.KERNEL.sources} <= set(decoder_stack.KERNEL.sources)
-    assert all(hasattr(libraries["decoder"], f) for f in ("qgemm", "rope_write_attend"))
+    for level in native.SIMD_LEVELS:
+        assert {qgemm.SOURCE, cpu_attention.SOURCE} <= set(decoder_stack.kernel(level).sources)
+        assert all(hasattr(libraries[f"decoder-{level.name}"], f) for f in ("qgemm", "rope_write_attend"))
 
 
 # Calls each kernel through its declared prototype with an argument it refuses: the refusal is the
@@ -68,7 +73,7 @@ REFUSALS = """
 import ctypes
 from specdec import kernel_abi, native
 from specdec.target.quant import decoder_stack
-lib = native.open_library(decoder_stack.KERNEL.build(), ("decoder_layers", "qgemm", "rope_write_attend"))
+lib = native.open_library(decoder_stack.kernel().build(), ("decoder_layers", "qgemm", "rope_write_attend"))
 buf = (ctypes.c_uint16 * 64)()
 a = kernel_abi.Attention(slots=ctypes.addressof(buf), block_tables=ctypes.addressof(buf),
                          seq_lens=ctypes.addressof(buf), query_start_loc=ctypes.addressof(buf),
@@ -116,14 +121,14 @@ def test_a_mismatched_description_is_caught(libraries, structures, constants, ex
     mismatched = {s.c_name: s for s in structures}
     structures = tuple(mismatched.get(s.c_name, s) for s in kernel_abi.STRUCTURES)
     with pytest.raises(kernel_abi.KernelABIError, match=expected):
-        kernel_abi.check_layout(libraries["qgemm"], structures, constants)
+        kernel_abi.check_layout(libraries["qgemm-avx2"], structures, constants)
 
 
 @needs_gcc
 def test_a_version_mismatch_is_caught(libraries, monkeypatch):
     monkeypatch.setattr(kernel_abi, "ABI_VERSION", kernel_abi.ABI_VERSION + 1)
     with pytest.raises(kernel_abi.KernelABIError, match="ABI version 1"):
-        kernel_abi.check_layout(libraries["qgemm"])
+        kernel_abi.check_layout(libraries["qgemm-avx2"])
 
 
 @pytest.mark.parametrize(
@@ -171,8 +176,9 @@ def test_a_syntax_error_keeps_the_compilers_message(cache):
 
 @needs_gcc
 def test_a_bogus_flag_keeps_the_compilers_message_up_to_require_qgemm(cache, monkeypatch):
-    broken = dataclasses.replace(qgemm.KERNEL, flags=(*qgemm.KERNEL.flags, "-fno-such-flag"), cpu_flags=())
-    monkeypatch.setattr(qgemm, "KERNEL", broken)
+    real = qgemm.kernel()
+    broken = dataclasses.replace(real, flags=(*real.flags, "-fno-such-flag"), cpu_flags=())
+    monkeypatch.setattr(qgemm, "kernel", lambda level=None: broken)
     assert resolve_config(EngineConfig(dtype="bfloat16", device="cpu")).target_quant == "w8a8"
     with pytest.raises(qgemm.KernelUnavailableError, match="(?s)building qgemm.c failed.*unrecognized command.line option.*w8a8"):
         qgemm.require_qgemm()

@@ -37,7 +37,7 @@ def test_tiles_take_int4_only_on_the_grid_and_reproduce_the_weights(int4):
 @pytest.mark.parametrize("int4", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 40])
-def test_kernel_computes_the_quantized_product(int4, dtype, rows):
+def test_kernel_computes_the_quantized_product(int4, dtype, rows, simd_level):
     q, w = _linear(int4)
     x = torch.randn(rows, q.in_features, generator=torch.Generator().manual_seed(rows)).to(dtype)
     y = q(x)
@@ -51,7 +51,7 @@ def test_kernel_computes_the_quantized_product(int4, dtype, rows):
 
 
 @pytest.mark.parametrize("int4", [True, False])
-def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(int4):
+def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(int4, simd_level):
     """What makes speculative verification of k+1 rows equal k+1 one-row steps."""
     q, _ = _linear(int4)
     x = torch.randn(13, q.in_features, generator=torch.Generator().manual_seed(3))
@@ -62,8 +62,55 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(int4):
     assert torch.equal(q(x[2:7]), batched[2:7])
 
 
+@pytest.mark.parametrize("int4", [True, False])
+def test_row_i_of_n_rows_is_the_one_row_call_bitwise(int4, simd_level):
+    """n = 1..16 rows, with an RMSNorm, a SiLU-GLU or a residual fused in: every row of every call
+    equals that row alone, at this level (the batch splits into chunks of `MAX_ROWS` and a rest)."""
+    q, _ = _linear(int4)
+    g = torch.Generator().manual_seed(11)
+    x, gate_up = torch.randn(16, 96, generator=g).bfloat16(), (torch.randn(16, 192, generator=g) * 4).bfloat16()
+    norm, residual = torch.rand(96, generator=g).bfloat16() + 0.5, torch.randn(16, 64, generator=g).bfloat16()
+    calls = {
+        "plain": lambda rows: q(x[rows]),
+        "norm": lambda rows: q(x[rows], norm_weight=norm, eps=1e-6),
+        "glu": lambda rows: q(gate_up[rows], glu=True),
+        "residual": lambda rows: q(x[rows], residual=residual[rows]),
+    }
+    for name, call in calls.items():
+        alone = torch.cat([call(slice(i, i + 1)) for i in range(16)])
+        for n in range(1, 17):
+            assert torch.equal(call(slice(0, n)), alone[:n]), (name, n)
+
+
+def test_every_level_computes_bitwise_the_same(monkeypatch):
+    """The AVX2 and AVX-VNNI builds return what the AVX-512 VNNI build returns, bit for bit (int4
+    and int8 tiles, each fusion, 1 to 13 rows), so tokens do not depend on the CPU's level.
+    Compares the levels this machine runs: all three on an AVX-512 VNNI CPU."""
+    from tests.conftest import MACHINE_LEVELS
+
+    if len(MACHINE_LEVELS) < 2:
+        pytest.skip(f"one level runs here ({MACHINE_LEVELS}): nothing to compare")
+    g = torch.Generator().manual_seed(12)
+    x, gate_up = torch.randn(13, 96, generator=g), torch.randn(13, 192, generator=g) * 30
+    norm, residual = torch.rand(96, generator=g) + 0.5, torch.randn(13, 64, generator=g)
+    results = {}
+    for level in MACHINE_LEVELS:
+        monkeypatch.setenv("SPECDEC_ISA", level)
+        out = []
+        for int4 in (True, False):
+            q, _ = _linear(int4)
+            for rows in (1, 4, 5, 6, 13):
+                for dtype in (torch.float32, torch.bfloat16):
+                    a, b, r = x[:rows].to(dtype), gate_up[:rows].to(dtype), residual[:rows].to(dtype)
+                    out += [q(a), q(b, glu=True), q(a, norm_weight=norm.to(dtype), eps=1e-6, residual=r)]
+        results[level] = out
+    first = MACHINE_LEVELS[0]
+    for level in MACHINE_LEVELS[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[first], results[level])), (first, level)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_fused_into_the_kernel_matches_norm_then_linear(dtype):
+def test_rmsnorm_fused_into_the_kernel_matches_norm_then_linear(dtype, simd_level):
     from specdec.target.model import RMSNorm, normed
 
     q, _ = _linear(True)
@@ -78,7 +125,7 @@ def test_rmsnorm_fused_into_the_kernel_matches_norm_then_linear(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_glu_fused_into_the_kernel_matches_silu_mul_then_linear(dtype):
+def test_silu_glu_fused_into_the_kernel_matches_silu_mul_then_linear(dtype, simd_level):
     from specdec.target.model import plus_linear
 
     q, _ = _linear(True)
@@ -98,7 +145,7 @@ def test_silu_glu_fused_into_the_kernel_matches_silu_mul_then_linear(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_residual_added_in_the_kernel_is_bitwise_residual_plus_linear(dtype):
+def test_residual_added_in_the_kernel_is_bitwise_residual_plus_linear(dtype, simd_level):
     q, _ = _linear(False)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(9)).to(dtype)
     residual = (torch.randn(5, 64, generator=torch.Generator().manual_seed(10)) * 8).to(dtype)
@@ -177,7 +224,7 @@ def _tiny_bf16_pair(tmp_path):
     return tuple(load_model(tmp_path / n, torch.bfloat16, quant="w4a8") for n in ("target", "draft"))
 
 
-def test_bf16_engine_on_the_c_decode_path_is_greedy_exact(tmp_path, monkeypatch):
+def test_bf16_engine_on_the_c_decode_path_is_greedy_exact(tmp_path, monkeypatch, simd_level):
     """bf16 end to end on the C kernels (the layer loop of decoder.c: qgemm with its fusions,
     rope + KV write + attention): every row is computed independently of the batch, so k+1-row
     verification agrees exactly with one-row decoding and speculative greedy output equals plain
@@ -192,7 +239,7 @@ def test_bf16_engine_on_the_c_decode_path_is_greedy_exact(tmp_path, monkeypatch)
     assert speculative == plain
 
 
-def test_c_layer_loop_is_bitwise_the_python_layer_loop(tmp_path, monkeypatch):
+def test_c_layer_loop_is_bitwise_the_python_layer_loop(tmp_path, monkeypatch, simd_level):
     from specdec.target.runner import ModelRunner, Window
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))

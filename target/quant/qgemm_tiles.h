@@ -1,0 +1,195 @@
+/* qgemm's inner loop per instruction-set level (included by qgemm.c, after `struct group_consts`):
+ * `tile_rows` multiplies one weight tile (16 outputs) by R rows of quantized activations and
+ * leaves the 16 fp32 results of row r in acc[r]; `MAX_ROWS` is the most rows one call takes.
+ *
+ * The integer sum of a group (32 inputs x 16 outputs x R rows) is exact at every level; it is
+ * then scaled with the same fp32 operations in the same order, so the levels agree bitwise:
+ *   acc += step * (cvt(isum) * xs - off * xs * sum(xq)) + zero * xs * sum(xq)   (int4)
+ *   acc += step * (cvt(isum) * xs - 128 * xs * sum(xq))                         (int8)
+ * where isum = sum(q * xq) with the unsigned weights q (0..15, or 1..255).
+ */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+
+#define MAX_ROWS 6
+
+/* acc += w (16 x 4 unsigned bytes) . the 4 signed bytes at `a`, broadcast to every lane. Written in
+ * asm so the broadcast stays a memory operand: with the intrinsic, gcc hoists the broadcasts into
+ * vectors spilled to the stack. */
+#define DPBUSD_BCST(acc, w, a) \
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*(const int32_t *)(a)))
+
+/* Two int32 accumulators per row (even and odd halves of each group) halve the dependency chains
+ * of `vpdpbusd`, whose latency otherwise bounds the loop. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const uint8_t *tile, int bits, int64_t groups, const int8_t *xq, const struct group_consts *gc,
+    int64_t k, const int R, vf *acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    const uint8_t *p = tile;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i even[MAX_ROWS], odd[MAX_ROWS];
+        for (int r = 0; r < R; r++) even[r] = odd[r] = _mm512_setzero_si512();
+        const int8_t *xg = xq + g * GROUP;
+        if (bits == 4) {
+            for (int b = 0; b < 4; b++, p += 64) {
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                __m512i w = _mm512_loadu_si512((const void *)p);
+                __m512i lo = _mm512_and_si512(w, nibble);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = xg + r * k + 8 * b;
+                    DPBUSD_BCST(even[r], lo, a);
+                    DPBUSD_BCST(odd[r], hi, a + 4);
+                }
+            }
+        } else {
+            for (int b = 0; b < 8; b += 2, p += 128) {
+                _mm_prefetch((const char *)p + PREFETCH_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + PREFETCH_BYTES + 64, _MM_HINT_T0);
+                __m512i w0 = _mm512_loadu_si512((const void *)p);
+                __m512i w1 = _mm512_loadu_si512((const void *)(p + 64));
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = xg + r * k + 4 * b;
+                    DPBUSD_BCST(even[r], w0, a);
+                    DPBUSD_BCST(odd[r], w1, a + 4);
+                }
+            }
+        }
+        const __m512 step = vf_load_bf16((const uint16_t *)p);
+        p += 32;
+        if (bits == 4) {
+            const __m512 zero = vf_load_bf16((const uint16_t *)p);
+            p += 32;
+            for (int r = 0; r < R; r++) {
+                const struct group_consts *c = &gc[r * groups + g];
+                __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
+                t = _mm512_fmsub_ps(t, _mm512_set1_ps(c->scale), _mm512_set1_ps(c->int4_offset));
+                acc[r] = _mm512_fmadd_ps(step, t, acc[r]);
+                acc[r] = _mm512_fmadd_ps(zero, _mm512_set1_ps(c->sum), acc[r]);
+            }
+        } else {
+            for (int r = 0; r < R; r++) {
+                const struct group_consts *c = &gc[r * groups + g];
+                __m512 t = _mm512_cvtepi32_ps(_mm512_add_epi32(even[r], odd[r]));
+                t = _mm512_fmsub_ps(t, _mm512_set1_ps(c->scale), _mm512_set1_ps(c->int8_offset));
+                acc[r] = _mm512_fmadd_ps(step, t, acc[r]);
+            }
+        }
+    }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+
+/* 256 bits: a tile is two halves of 8 outputs (the first and last 32 bytes of each 64-byte block),
+ * each multiplied through all groups in turn. Rows per call: 4, so that a half's accumulators
+ * (4 fp32 + 4 integer), its weights and a broadcast fit the 16 ymm registers. */
+#define MAX_ROWS 4
+
+static inline __m256i bcast4(const int8_t *a) { /* the 4 bytes at a in every 32-bit lane */
+    int32_t v;
+    __builtin_memcpy(&v, a, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#if defined(__AVXVNNI__)
+#define DOT4(acc, w, a) ((acc) = _mm256_dpbusd_avx_epi32((acc), (w), bcast4(a)))
+#endif
+
+/* isum[r] = the 8 exact int32 sums of one int4 group half (`w`: its first block + 32 h). AVX2 sums
+ * the byte pairs of `vpmaddubsw` in int16 through the group: at most 8 x 2 x 15 x 127 = 30480. */
+static inline __attribute__((always_inline)) void dot_int4(const uint8_t *w, const int8_t *xg, int64_t k,
+                                                          const int R, __m256i *isum) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int b = 0; b < 4; b++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * b));
+        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < R; r++) {
+            const int8_t *a = xg + r * k + 8 * b;
+#if defined(__AVXVNNI__)
+            DOT4(isum[r], lo, a);
+            DOT4(isum[r], hi, a + 4);
+#else
+            isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(lo, bcast4(a)));
+            isum[r] = _mm256_add_epi16(isum[r], _mm256_maddubs_epi16(hi, bcast4(a + 4)));
+#endif
+        }
+    }
+#if !defined(__AVXVNNI__)
+    for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
+#endif
+}
+
+/* The same for an int8 group half. AVX2 multiplies the signed weights q - 128 (|.| <= 127, so a
+ * byte pair stays under 2^15) by sign-moved activations and adds 128 * sum(xq) back. */
+static inline __attribute__((always_inline)) void dot_int8(const uint8_t *w, const int8_t *xg, int64_t k,
+                                                          const struct group_consts *gc, int64_t groups,
+                                                          const int R, __m256i *isum) {
+    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
+    for (int b = 0; b < 8; b++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * b));
+#if defined(__AVXVNNI__)
+        for (int r = 0; r < R; r++) DOT4(isum[r], v, xg + r * k + 4 * b);
+#else
+        const __m256i s = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80)), mag = _mm256_abs_epi8(s);
+        for (int r = 0; r < R; r++) {
+            const __m256i a = _mm256_sign_epi8(bcast4(xg + r * k + 4 * b), s);
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(mag, a), _mm256_set1_epi16(1)));
+        }
+#endif
+    }
+#if !defined(__AVXVNNI__)
+    for (int r = 0; r < R; r++) isum[r] = _mm256_add_epi32(isum[r], _mm256_set1_epi32(128 * gc[r * groups].isum));
+#else
+    (void)gc, (void)groups;
+#endif
+}
+
+static inline __m256 load_bf16x8_bytes(const uint8_t *p) { return load_bf16x8((const uint16_t *)p); }
+
+static inline __attribute__((always_inline)) void tile_rows(
+    const uint8_t *tile, int bits, int64_t groups, const int8_t *xq, const struct group_consts *gc,
+    int64_t k, const int R, vf *acc) {
+    const int64_t group_bytes = bits == 4 ? 320 : 544;
+    for (int h = 0; h < 2; h++) {
+        __m256 out[MAX_ROWS];
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *p = tile + g * group_bytes;
+            if (h == 0)
+                for (int64_t line = 0; line < group_bytes; line += 64)
+                    _mm_prefetch((const char *)p + PREFETCH_BYTES + line, _MM_HINT_T0);
+            const int8_t *xg = xq + g * GROUP;
+            __m256i isum[MAX_ROWS];
+            if (bits == 4) {
+                dot_int4(p + 32 * h, xg, k, R, isum);
+                const __m256 step = load_bf16x8_bytes(p + 256 + 16 * h), zero = load_bf16x8_bytes(p + 288 + 16 * h);
+                for (int r = 0; r < R; r++) {
+                    const struct group_consts *c = &gc[r * groups + g];
+                    __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(c->scale),
+                                               _mm256_set1_ps(c->int4_offset));
+                    out[r] = _mm256_fmadd_ps(step, t, out[r]);
+                    out[r] = _mm256_fmadd_ps(zero, _mm256_set1_ps(c->sum), out[r]);
+                }
+            } else {
+                dot_int8(p + 32 * h, xg, k, gc + g, groups, R, isum);
+                const __m256 step = load_bf16x8_bytes(p + 512 + 16 * h);
+                for (int r = 0; r < R; r++) {
+                    const struct group_consts *c = &gc[r * groups + g];
+                    __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(c->scale),
+                                               _mm256_set1_ps(c->int8_offset));
+                    out[r] = _mm256_fmadd_ps(step, t, out[r]);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            if (h == 0) acc[r].lo = out[r];
+            else acc[r].hi = out[r];
+        }
+    }
+}
+
+#else
+#error "qgemm needs AVX-512 VNNI, or AVX2 with FMA (optionally AVX-VNNI)"
+#endif
