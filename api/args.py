@@ -48,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "sit on a 4-bit grid, as GGUF Q4_K does, else dense; int4: every linear; "
                         "w8a8: int8 weights and activations, smoothed, cost flat in the number of "
                         "verified tokens; w4a8-auto: int4 where on the 4-bit grid, else int8, "
-                        "activations int8 per group of 32, on specdec's AVX-512 VNNI kernel; w4a8: "
+                        "activations int8 per group of 32, on specdec's C kernel (AVX2 or better); w4a8: "
                         "int4 everywhere on that kernel); cached after first use. Default: see README")
     g.add_argument("--draft-quant", choices=QUANT_MODES, default=None,
                    help="the same for the draft model. Default: see README")

@@ -54,8 +54,8 @@ class EngineConfig:
     # With nothing decoding, prompts are prefilled in chunks of up to this many tokens.
     max_prefill_chunk: int = 2048
     # CPU quantization (`target.quant.formats.MODES`); None: the loader picks per model
-    # (`engine_parts.resolve_config`). On the CPU in bfloat16, where specdec's AVX-512 VNNI kernel
-    # runs (`target.quant.qgemm`), the target takes "w4a8-auto" (GGUF Q4_K tensors stay exactly
+    # (`engine_parts.resolve_config`). On the CPU in bfloat16, where specdec's C kernel runs
+    # (`target.quant.qgemm`: AVX-512 VNNI, AVX-VNNI or AVX2, bitwise the same), the target takes "w4a8-auto" (GGUF Q4_K tensors stay exactly
     # int4, the rest int8, activations int8 per group of 32: 1.4-1.5x faster than "w8a8" for one
     # row and KL 0.0015 vs 0.0097 nats/token from the GGUF weights, see README) and the draft "w4a8"
     # (int4 everywhere; a draft only proposes, so its rounding cannot change the output

@@ -81,10 +81,6 @@ int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *la
 int int4_quantize_rows(const float *w, int64_t n, int64_t k, int64_t group, int32_t *q, uint16_t *scales_and_zeros,
                        int64_t sz_rows, int with_error, double *err_sq, int threads);
 
-/* target/quant/int8_avx2.c */
-int int8_gemm_avx2(const float *x, int64_t m, int64_t k, const int8_t *w, const float *w_scale, int64_t n,
-                   float *y, int zero_point, int threads);
-
 /* specdec/kernel_abi.c (every library): the layout table and its length. */
 int64_t specdec_abi_version(void);
 const struct specdec_abi_entry *specdec_abi_layout(int64_t *count);

@@ -123,7 +123,6 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     # w, n, k, group, q, scales_and_zeros, sz_rows, with_error, err_sq, threads
     "int4_quantize_rows": (_I, [_P, _I64, _I64, _I64, _P, _P, _I64, _I, _P, _I]),
     # x, m, k, w, w_scale, n, y, zero_point, threads
-    "int8_gemm_avx2": (_I, [_P, _I64, _I64, _P, _P, _I64, _P, _I, _I]),
     "specdec_abi_version": (_I64, []),
     "specdec_abi_layout": (ctypes.POINTER(AbiEntry), [ctypes.POINTER(_I64)]),
 }

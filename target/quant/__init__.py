@@ -3,7 +3,7 @@
     modes.py          the mode names a config may ask for (no imports: the config reads them)
     int8.py           `Int8Linear` (W8A8 on fbgemm)
     int4.py           `Int4Linear` (torch's weight-only int4 kernel, optionally an int8 copy)
-    qlinear.py        `QLinear` on the group-quantized kernel `qgemm.c` (built by `qgemm.py`)
+    qlinear.py        `QLinear` on the group-quantized kernel `qgemm.c` (built per ISA level by `qgemm.py`)
     decoder_stack.py  every decoder layer of a model of `QLinear`s in one C call (`decoder.c`)
     smoothing.py      SmoothQuant before W8A8, on the calibration text `calibration.txt`
     formats.py        the registry: each format's module, converter, fuser and stored tensors

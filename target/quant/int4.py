@@ -99,7 +99,7 @@ class Int4Linear(nn.Module):
         ).to(x.dtype)
 
     def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] bf16 -> [M, N] bf16
-        if not int_mm_is_fast():  # Int8Linear: the AVX2 kernel, or fbgemm
+        if not int_mm_is_fast():  # Int8Linear on fbgemm
             int8 = self.__dict__.get("_int8")  # not a submodule: no second copy in state_dict
             if int8 is None:
                 int8 = self.__dict__["_int8"] = Int8Linear(self.weight_int8, self.int8_scale, None)

@@ -1,10 +1,6 @@
-"""`Int8Linear`: W8A8, int8 weights per output channel and int8 activations per row, on fbgemm or,
-opted in with `SPECDEC_INT8_KERNEL=1` on AVX2 CPUs without AVX-512 VNNI, on our AVX2 kernel
-(`int8_kernel`), which returns fbgemm's results bitwise but multiplies the row-major int8 weights
-as they are: no `linear_prepack`, which takes ~19.5 s of every load of the 1.5B target on an AVX2
-EPYC. It is opt-in because it multiplies several rows slower than fbgemm's AVX2 path
-(`eval/bench_int8_kernel.py`: 0.5-0.9x at 6-9 rows, what verification runs; par at 1 row): it
-suits one-off `specdec generate` runs, not a server.
+"""`Int8Linear`: W8A8, int8 weights per output channel and int8 activations per row, on fbgemm: the
+`w8a8` quantization, which the CPU defaults take only where specdec's own C kernel (`qgemm`, AVX2
+or better) cannot run; fbgemm packs the weights on every load (`linear_prepack`, ~14 ns per weight).
 
 fbgemm's int8 GEMM (VNNI) costs 0.49 / 0.49 / 0.57 ms for 1 / 5 / 9 rows of a 1536x8960 matrix
 (two Zen 4 cores): flat up to ~9 rows, which is what verifying k+1 tokens needs. Activations are
@@ -26,8 +22,6 @@ import torch
 from torch import nn
 
 from specdec.native import cpu_has
-
-from .int8_kernel import K_STEP, int8_gemm, load_int8_gemm
 
 
 def int_mm_is_fast() -> bool:
@@ -53,23 +47,12 @@ def fbgemm_uses_vnni() -> bool:
     return cpu_has("avx512_vnni") and forced not in ("AVX2", "AVX512", "AVX512_256")
 
 
-def uses_int8_kernel(in_features: int) -> bool:
-    """Whether an `Int8Linear` of `in_features` inputs runs on the AVX2 kernel: `SPECDEC_INT8_KERNEL=1`
-    asks for it, it loads here, the activations are fbgemm's 7-bit ones (the kernel's pairs of
-    products fit int16 only then; on VNNI machines fbgemm stays) and `in_features` is a multiple
-    of its `K_STEP`. Read at `prepack`, so a model keeps the path it was packed for."""
-    return (os.environ.get("SPECDEC_INT8_KERNEL") == "1" and fbgemm_activation_range() == (63.0, 64)
-            and in_features % K_STEP == 0 and load_int8_gemm() is not None)
-
-
 class Int8Linear(nn.Module):
     """`y = x @ w.T + b` with int8 weights per output channel and int8 activations per row (W8A8).
 
     fbgemm's packed weights (`linear_prepack`) cannot be saved, so the module keeps the int8
     weights and scales as buffers (what the cache stores) and packs them on first use or in
-    `prepack()` into `_packed` (None until then). Where `uses_int8_kernel`, there is nothing to
-    pack: `_packed` is `weight_int8` itself, which the AVX2 kernel reads as it is, with outputs
-    bitwise equal to fbgemm's.
+    `prepack()` into `_packed` (None until then).
     """
 
     def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -92,11 +75,7 @@ class Int8Linear(nn.Module):
         return cls(tensors["weight_int8"], tensors["weight_scale"], bias)
 
     def prepack(self) -> None:
-        """Set `_packed`: `weight_int8` where the AVX2 kernel runs (free), else fbgemm's packed
-        weights (~14 ns per weight on an AVX2 EPYC)."""
-        if uses_int8_kernel(self.in_features):
-            self._packed = self.weight_int8
-            return
+        """Set `_packed`: fbgemm's packed weights (~14 ns per weight on an AVX2 EPYC)."""
         with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm still takes them
             warnings.simplefilter("ignore", UserWarning)
             qw = torch._make_per_channel_quantized_tensor(
@@ -114,12 +93,9 @@ class Int8Linear(nn.Module):
         # rounds every row alike, whatever else is in the batch.
         r, zero_point = fbgemm_activation_range()
         x_scaled = x2 * (r / amax) if x.dtype == torch.float32 else x2.mul_(r / amax)  # x2 is a copy
-        if isinstance(self._packed, torch.Tensor):  # the AVX2 kernel, on the weights as they are
-            y = int8_gemm(x_scaled, self.weight_int8, self.weight_scale, zero_point)  # [M, N]
-        else:
-            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                x_scaled, 1.0, zero_point, self._packed,
-            )  # [M, N]
+        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+            x_scaled, 1.0, zero_point, self._packed,
+        )  # [M, N]
         y = y.mul_(amax / r) if self.bias is None else torch.addcmul(self.bias, y, amax / r)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
