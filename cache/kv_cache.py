@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
+import numpy as np
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -66,7 +69,7 @@ class PagedKVCache:
         self.k_scale = float(kv_scale)
         self.v_scale = float(kv_scale)
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=spec.dtype, device=spec.device)  # [L, 2, N, S, Hkv, D]
+        self.kv = _zeros(shape, spec.dtype, spec.device)  # [L, 2, N, S, Hkv, D]
         # each layer's (k, v) views, made once: every forward asks for every layer's
         self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
 
@@ -101,3 +104,13 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Zeros; on the CPU from `calloc` (numpy's zeros), whose fresh pages the kernel maps on first
+    write, so a cache takes memory for the tokens it holds, not its whole budget (`torch.zeros`
+    writes every byte: the default 2 GiB were resident from the start)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -45,6 +45,9 @@ class CheckpointReader(Protocol):
     def rows_in_place(self, name: str) -> str | None:
         """The GGUF name of tensor `name` where its rows can be looked up as stored, else None."""
 
+    def release_pages(self) -> None:
+        """Stop holding the file pages read so far as this process's memory (they stay cached)."""
+
 
 def weight_files(folder: Path) -> list[Path]:
     """The files that say where a folder's weights are (what a cache of its conversion is keyed
@@ -107,6 +110,9 @@ class SafetensorsCheckpoint:
     def read(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
+    def release_pages(self) -> None:
+        pass  # the mapping is safetensors' own, and its tensors may view it
+
 
 class GGUFCheckpoint:
     """The tensors of a GGUF file (one file, or its parts in order) under their Hugging Face
@@ -133,6 +139,9 @@ class GGUFCheckpoint:
 
         gguf_name = self._gguf_name.get(name)
         return gguf_name if gguf_name is not None and plain_rows(self._processor, self.file, gguf_name) else None
+
+    def release_pages(self) -> None:
+        self.file.data.release_pages()
 
     def read(self, name: str) -> torch.Tensor:
         gguf_name = self._gguf_name[name]

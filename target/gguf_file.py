@@ -19,13 +19,17 @@ transformers' GGUF loader calls, so values are bitwise those of the former float
 
 from __future__ import annotations
 
+import ctypes
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
 import numpy as np
+
+_MADV_DONTNEED = 4
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -58,6 +62,18 @@ class MappedBytes:
 
     def __len__(self) -> int:
         return int(self.starts[-1])
+
+    def release_pages(self) -> None:
+        """Unmap from this process the pages read so far (`madvise(MADV_DONTNEED)`; Linux): the
+        kernel keeps them in its page cache and maps them back on the next read, but they stop
+        counting as this process's memory (the whole 1.1 GB of the default target's file by the
+        end of its first quantization)."""
+        if not sys.platform.startswith("linux"):
+            return
+        libc = ctypes.CDLL(None, use_errno=True)
+        for m in self.maps:  # each map starts on a page: np.memmap at offset 0
+            if len(m):
+                libc.madvise(ctypes.c_void_p(m.ctypes.data), ctypes.c_size_t(len(m)), _MADV_DONTNEED)
 
     def slice(self, start: int, stop: int) -> np.ndarray:
         """Bytes [start, stop) as uint8 (read-only view, or a copy across a part boundary)."""

@@ -99,7 +99,11 @@ def load_quantized(model: nn.Module, path: Path, gguf: Callable[[], GGUFFile] | 
     with safe_open(str(path), framework="pt", device="cpu") as f:
         described = json.loads(f.metadata()["manifest"])
         manifest, in_gguf = described["linears"], described["in_gguf"]
-        state = {k: f.get_tensor(k) for k in f.keys()}
+        # Tensors read from the file view its mapping, which lives as long as any of them does.
+        # Tiles are copied into the model's arena (`prepare_quantized`); everything else is
+        # copied here, so the mapping, and the ~1.3 GB of the target's file pages it keeps
+        # resident, ends with the tiles' move.
+        state = {k: f.get_tensor(k) if k.endswith(".tiles") else f.get_tensor(k).clone() for k in f.keys()}
     if in_gguf:
         if gguf is None:
             raise ValueError(f"{path} reads its embedding from the model's GGUF file, which was not given")

@@ -79,8 +79,7 @@ class QLinear(nn.Module):
             tiles = pack_int4(q4, step, zero)
             bits = 4
         else:
-            q8, step = quantize_int8_groups(weight)
-            tiles = pack_int8(q8, step)
+            tiles = quantize_pack_int8(weight)
             bits = 8
         t = n // TILE
         size = tiles.numel() // t
@@ -175,6 +174,21 @@ def quantize_int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         s.copy_((w.abs().amax(-1) / 127).clamp_(min=1e-30))
         q[r : r + rows] = torch.div(w, s.float()[..., None]).round_().clamp_(-127, 127).view(-1, k)
     return q, step
+
+
+def quantize_pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """`weight [N, K]` -> int8 tiles `[N/16 * K/32 * 544]` uint8 (`quantize_int8_groups` then
+    `pack_int8`), a few tiles' rows at a time: whole-tensor int32 temporaries took 3 GB beside the
+    default target's 151,936 x 1,536 LM head (most of its first load's peak memory)."""
+    n, k = weight.shape
+    tile_bytes = k // GROUP * GROUP_BYTES[8]
+    out = torch.empty(n // TILE * tile_bytes, dtype=torch.uint8)
+    rows = max(TILE, chunk_rows(k) // TILE * TILE)
+    for r in range(0, n, rows):
+        q, step = quantize_int8_groups(weight[r : r + rows])
+        end = min(n, r + rows)
+        out[r // TILE * tile_bytes : end // TILE * tile_bytes].copy_(pack_int8(q, step))
+    return out
 
 
 def pack_int4(q: torch.Tensor, step: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
