@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     chat = args.chat if args.chat is not None else _is_chat(engine)
     prompt_ids = [engine.encode(p, chat=chat) for p in args.prompts]
     if not args.quiet_stats:
-        err.print(f"[dim]{loaded_line(load_s, warm_s)} · {describe_engine(config)} · chat={chat}[/dim]")
+        err.print(f"[dim]{loaded_line(load_s, warm_s)} · {describe_engine(config)} · chat={chat} · "
+                  f"{engine.memory_line()}[/dim]")
     out = Console(highlight=False, soft_wrap=True)
     printer = StreamPrinter(out, err, len(prompt_ids), args.show_acceptance, not args.quiet_stats,
                             num_prompt_tokens=sum(len(ids) for ids in prompt_ids))

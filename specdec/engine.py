@@ -72,6 +72,7 @@ class Engine:
         self.target, draft_runner = build_runners(config, target, draft)
         self.timings = StepTimings()  # this step's timed forwards, for the policy
         self.proposer = self._build_proposer(draft_runner)
+        self.runners = [self.target] + ([draft_runner] if self.proposer is not None and draft_runner else [])
         self.verifier = Verifier(self.target, self.timings)
         self.policy = SpeculationPolicy() if config.adaptive_k and self.proposer is not None else None
         self.timings.enabled = self.policy is not None
@@ -104,6 +105,11 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.device = self.target.device
+
+    def memory_line(self) -> str:
+        """What the models take: "weights 1.49 GB · KV pools up to 2.15 GB" (both models)."""
+        weights, kv = (sum(part) for part in zip(*(r.memory_bytes() for r in self.runners)))
+        return f"weights {_size(weights)} · KV pools up to {_size(kv)}"
 
     def _build_proposer(self, draft_runner: ModelRunner | None) -> Proposer | None:
         config = self.config
@@ -436,3 +442,7 @@ def _check_device(config: EngineConfig, models: dict[str, torch.nn.Module | None
             )
     if len(set(devices.values())) > 1:
         raise ValueError(f"the models sit on different devices: {devices}")
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"

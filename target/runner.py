@@ -84,6 +84,14 @@ class ModelRunner:
         kv_cache = PagedKVCache(cls.kv_spec(model, block_size, kv_dtype), num_blocks)
         return cls(model, kv_cache, output_vocab)
 
+    def memory_bytes(self) -> tuple[int, int]:
+        """(weights, KV pool): the bytes of the model's parameters and buffers (an embedding left
+        in its GGUF file is read from the file and not counted) and of its cache's whole budget,
+        whose pages a CPU cache takes only as tokens are written (`kv_cache._zeros`)."""
+        tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        return weights, self.kv_cache.kv.numel() * self.kv_cache.kv.element_size()
+
     def new_table(self) -> BlockTable:
         return BlockTable(self.pool, self.block_size)
 

@@ -24,6 +24,9 @@ def test_generate_warms_up_before_its_first_token(flags, capsys):
     assert main(["generate", "def fib(n):", *flags]) == 0
     err = capsys.readouterr().err
     assert "loaded in" in err and "warmed up in" in err
+    # what the models take, both together: a float32 tiny pair's weights and the pools' 0.05 GiB
+    weights, kv = map(float, re.search(r"weights ([\d.]+) MB · KV pools up to ([\d.]+) MB", err.replace("\n", " ")).groups())
+    assert 0 < weights < 50 and abs(kv - 0.05 * 1073.7) < 1
 
 
 def test_no_warmup_skips_it(flags, capsys, monkeypatch):

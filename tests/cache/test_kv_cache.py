@@ -98,3 +98,15 @@ def test_fp8_cache_needs_compute_capability_8_9(monkeypatch, capability, refused
             make()
     else:
         assert make().is_fp8
+
+
+def test_a_cpu_cache_starts_zeroed_in_every_dtype():
+    """Its pages come from calloc (taken as tokens arrive), but it reads as zeros everywhere."""
+    from specdec.cache.kv_cache import _zeros
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        kv = _zeros((2, 2, 3, 4, 1, 8), dtype, "cpu")
+        assert kv.dtype == dtype and kv.shape == (2, 2, 3, 4, 1, 8) and kv.is_contiguous()
+        assert not kv.float().any()
+        kv[1, 0, 2] = 1  # writable
+        assert kv.float().sum() == 4 * 8

@@ -224,3 +224,26 @@ def test_the_int4_quantizer_refuses_what_it_does_not_take(libraries):
         assert call() == kernel_abi.Status.OK and err.value > 0
     for bad in (dict(group=64), dict(k=100), dict(sz_rows=3), dict(err_sq=None)):
         assert call(**bad) == kernel_abi.Status.ERR_INVALID_ARGUMENT, bad
+
+
+def test_specdec_isa_holds_the_kernels_at_or_below_a_level(cache, monkeypatch):
+    """What a user on an AVX-512 machine does to run (and time) what an AVX2 machine runs."""
+    monkeypatch.setenv("SPECDEC_ISA", "avx2")
+    assert native.allowed_levels() == ("avx2",)
+    if "avx2" in [level.name for level in native.machine_levels()]:
+        assert native.simd_level().name == "avx2"
+        assert qgemm.kernel().level == decoder_stack.kernel().level == cpu_attention.kernel().level == "avx2"
+        assert native.describe_simd().startswith("kernels: avx2")
+    assert "holds the kernels below avx512-vnni" in qgemm.kernel("avx512-vnni").unavailable_reason()
+    monkeypatch.setenv("SPECDEC_ISA", " AVX-VNNI ")  # names are read loosely
+    assert native.allowed_levels() == ("avx-vnni", "avx2")
+
+
+def test_specdec_isa_none_keeps_torch_and_a_bad_name_says_which_exist(cache, monkeypatch):
+    monkeypatch.setenv("SPECDEC_ISA", "none")
+    assert native.simd_level() is None and qgemm.load_qgemm() is None
+    assert "SPECDEC_ISA=none" in native.describe_simd()
+    assert resolve_config(EngineConfig(dtype="bfloat16", device="cpu")).target_quant == "w8a8"
+    monkeypatch.setenv("SPECDEC_ISA", "avx3")
+    with pytest.raises(ValueError, match="avx512-vnni, avx-vnni, avx2 or none"):
+        native.simd_level()
