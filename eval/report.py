@@ -79,8 +79,11 @@ def machine_info() -> dict[str, object]:
     import torch
     import transformers
 
+    from specdec import native
+
     return {
         "cpu": _cpu_model(),
+        "kernels": native.describe_simd(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -141,7 +144,7 @@ def write_markdown(path: Path, title: str, meta: dict, sections: Sequence[tuple[
         "Reproduce with:", "", "```", str(meta.get("command") or meta.get("argv")), "```", "",
         f"Machine: {machine.get('cpu')} · {machine.get('cpu_count')} cores · torch "
         f"{machine.get('torch')} ({machine.get('torch_threads')} threads) · transformers "
-        f"{machine.get('transformers')} · commit {str(git.get('commit', '?'))[:12]}"
+        f"{machine.get('transformers')} · {machine.get('kernels', 'kernels: ?')} · commit {str(git.get('commit', '?'))[:12]}"
         f"{' (dirty)' if git.get('dirty') else ''} · {meta.get('started_utc')}", "",
     ]
     for heading, body in sections:
