@@ -10,7 +10,7 @@ Text that may still turn into a tag (`<tool_c...`) and whitespace before a call 
 whitespace next to a call is dropped. An answer that opens with a ```json block holding
 `{"name": ..., "arguments": ...}` is a call too (Qwen2.5-Coder's habit; `specdec.tool_grammar`
 constrains it in `auto` mode); its `arguments` keep the model's whitespace. A call whose JSON does not parse (only possible without a
-constraint) is returned as content; a call cut off by max_tokens: see `ToolCallParser.finish`.
+constraint) is returned as content; a call cut off by max_tokens is not (`ToolCallParser.finish`).
 """
 
 from __future__ import annotations
@@ -96,15 +96,14 @@ class ToolCallParser:
                 return events
 
     def finish(self) -> list[Event]:
-        """The held-back text. An unfinished call whose name was not out yet becomes content; one
-        already streamed stays as sent, and its text is kept in `truncated_call`."""
+        """The held-back text. An unfinished call (cut off by max_tokens) is never content: its
+        text is kept in `truncated_call`, and a stream has sent its name and arguments so far only
+        if its name was out (OpenAI's "length" with a partial call)."""
         events: list[Event] = []
         if self._body is None:
             text = self._text.lstrip() if self._after_call else self._text
             if text:
                 events.append(ContentDelta(text))
-        elif self._args_at is None:
-            events.append(ContentDelta(self._open + self._body))
         else:
             self.truncated_call = self._open + self._body
         self._text, self._body = "", None
@@ -188,8 +187,8 @@ class ToolCallParser:
 
 
 def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content or None, tool_calls as OpenAI returns them) of a whole answer; an unfinished call
-    (cut off by max_tokens) is returned as content."""
+    """(content or None, tool_calls as OpenAI returns them) of a whole answer: the complete calls
+    only; an unfinished one (cut off by max_tokens) is in neither."""
     parser = ToolCallParser()
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
@@ -199,9 +198,8 @@ def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
             calls.append({"id": event.id, "type": "function", "function": {"name": event.name, "arguments": ""}})
         elif isinstance(event, ArgumentsDelta):
             calls[event.index]["function"]["arguments"] += event.text
-    if parser.truncated_call is not None:
-        calls.pop()
-        content += parser.truncated_call
+    if parser.truncated_call is not None and len(calls) > parser.num_complete:
+        calls.pop()  # its name was out: started, never finished
     return content or None, calls
 
 

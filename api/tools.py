@@ -9,7 +9,9 @@ earlier `tool_calls`, as OpenAI defines them, for chat templates in the Hermes /
   (`specdec.tool_grammar`, `free_text=True`), so every call the server returns validates;
 - `"required"` / `{"type": "function", "function": {"name": ...}}`: the answer is calls only, to
   any tool / to that one, arguments constrained;
-- `parallel_tool_calls=false`: at most one call (default: several may follow one another).
+- `parallel_tool_calls=false`, or a named function: exactly one call, then the answer ends (the
+  grammar allows nothing but the end after `</tool_call>`); otherwise several calls may follow
+  one another, and the end is allowed after each.
 """
 
 from __future__ import annotations
@@ -142,8 +144,10 @@ class ToolUse:
         """The grammar of the answer (None when no tools are active)."""
         if not self.active:
             return None
+        named = isinstance(self.choice, NamedToolChoice)  # OpenAI: one call of that function
         spec = ToolGrammarSpec.build([(t.function.name, t.function.parameters) for t in self.callable_tools()],
-                                     free_text=self.choice == "auto", parallel=self.parallel, tag_tokens=tag_tokens)
+                                     free_text=self.choice == "auto", parallel=self.parallel and not named,
+                                     tag_tokens=tag_tokens)
         return StructuredSpec.lark(tool_call_grammar(spec))
 
 

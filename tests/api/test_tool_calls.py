@@ -36,16 +36,17 @@ def test_a_whole_answer_splits_into_content_and_calls():
     ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>', None, [("f", '{"x": 1}')]),
     # another key order or spacing (an unconstrained model): the arguments re-serialized
     ('x <tool_call>\n{ "arguments" : {"a":1}, "name": "h" }\n</tool_call>', "x", [("h", '{"a": 1}')]),
-    # cut off by max_tokens: content, never a half call
-    ('<tool_call>\n{"name": "f", "arguments": {"x": 1', '<tool_call>\n{"name": "f", "arguments": {"x": 1', []),
-    ('ok <tool_call>\n{"na', 'ok<tool_call>\n{"na', []),
+    # cut off by max_tokens: neither content nor a call (OpenAI: the complete calls only)
+    ('<tool_call>\n{"name": "f", "arguments": {"x": 1', None, []),
+    ('ok <tool_call>\n{"na', "ok", []),
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "add', None, [("f", "{}")]),
     ('<tool_call>\nnot json\n</tool_call>', '<tool_call>\nnot json\n</tool_call>', []),
     # Qwen2.5-Coder's ```json block at the start of the answer is a call; elsewhere, or not a call: text
     (FENCED, None, [("get_weather", '{\n    "city": "Paris",\n    "unit": "celsius"\n  }')]),
     ("See:\n" + FENCED, "See:\n" + FENCED, []),
     ('```json\n{"title": "x"}\n```', '```json\n{"title": "x"}\n```', []),
     ("```py", "```py", []),
-], ids=["text", "empty", "call", "foreign-order", "cut-in-arguments", "cut-in-name", "not-json", "fenced",
+], ids=["text", "empty", "call", "foreign-order", "cut-in-arguments", "cut-in-name", "cut-second-call", "not-json", "fenced",
         "fenced-after-text", "fenced-not-a-call", "fence-cut"])
 def test_split(text, content, calls):
     got_content, got_calls = split_tool_calls(text)
@@ -73,9 +74,8 @@ def test_streamed_pieces_reassemble_to_the_whole_answer(text):
             elif isinstance(event, ArgumentsDelta):
                 assert event.text
                 calls[event.index][1] += event.text
-        if parser.truncated_call is not None:  # streamed as far as it went; whole: content
-            calls.pop()
-            content += parser.truncated_call
+        if parser.truncated_call is not None and len(calls) > parser.num_complete:
+            calls.pop()  # streamed as far as it went; whole: left out
         assert (content or None, calls) == (whole_content, [list(c) for c in _calls(whole_calls)])
 
 

@@ -115,7 +115,7 @@ def test_parallel_calls_each_validate(client, parts):
     content, calls, finish = _ask(client, False, tool_choice="required", temperature=0, max_tokens=300,
                                   logit_bias=bias)
     assert len(calls) >= 2, (content, calls)
-    assert content is None or (finish == "length" and content.startswith("<tool_call>"))  # the cut-off call
+    assert content is None  # a call cut off by max_tokens is left out, never content
     _assert_valid(calls)
 
 
@@ -152,10 +152,26 @@ def test_auto_may_answer_in_text(client):
     assert calls or content  # a random model: one or the other, never an exception
 
 
-def test_a_call_cut_by_max_tokens_is_content_with_finish_length(client):
+def test_a_call_cut_by_max_tokens_is_neither_content_nor_a_call(client):
+    """OpenAI's answer to a call cut off by max_tokens: finish_reason "length", the complete calls
+    only, no half-written tag in `content`."""
     content, calls, finish = _ask(client, False, tool_choice=NAMED, temperature=0, max_tokens=6)
-    assert (calls, finish) == ([], "length") and content.startswith("<tool_call>")
-    assert _ask(client, True, tool_choice=NAMED, temperature=0, max_tokens=6)[2] == "length"
+    assert (content, calls, finish) == (None, [], "length")
+    content, _, finish = _ask(client, True, tool_choice=NAMED, temperature=0, max_tokens=6)
+    assert (content, finish) == (None, "length")
+
+
+def test_a_named_choice_is_one_call_even_where_the_model_would_go_on(client, parts):
+    """With `tool_choice` naming a function, the answer is that one call and then the end, however
+    strongly the model leans toward another call (a bias toward "\n" and "<tool_call>" makes the
+    random model open one whenever it may); `parallel_tool_calls` does not change that."""
+    tokenizer = parts[2]
+    bias = {str(tokenizer.convert_tokens_to_ids("<tool_call>")): 20, str(tokenizer.encode("\n")[0]): 20}
+    for stream in (False, True):
+        content, calls, finish = _ask(client, stream, tool_choice=NAMED, temperature=0, max_tokens=300,
+                                      logit_bias=bias, parallel_tool_calls=True)
+        assert (content, finish, len(calls)) == (None, "tool_calls", 1), (content, calls)
+        _assert_valid(calls, ("search_code",))
 
 
 def test_tool_choice_none_leaves_the_tools_out(client):
