@@ -39,8 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--kv-cache-memory", type=float, default=2.0, metavar="GIB",
-                   help="KV cache budget for both models together, in GiB")
+    g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
+                   help="KV cache budget for both models together, in GiB (default 1: ~26k tokens of the "
+                        "default pair; on the CPU its pages are taken as tokens arrive)")
     g.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV cache dtype: the model's, or fp8 (e4m3)")
     g.add_argument("--target-quant", choices=QUANT_MODES, default=None,

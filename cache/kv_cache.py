@@ -109,7 +109,7 @@ class PagedKVCache:
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeros; on the CPU from `calloc` (numpy's zeros), whose fresh pages the kernel maps on first
     write, so a cache takes memory for the tokens it holds, not its whole budget (`torch.zeros`
-    writes every byte: the default 2 GiB were resident from the start)."""
+    writes every byte: the whole budget was resident from the start)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -36,7 +36,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "auto"
     block_size: int = 16
-    kv_cache_memory_gib: float = 2.0  # both caches together, split so both hold the same tokens
+    # both caches together, split so both hold the same tokens (the default pair: ~40 KB a token,
+    # so 1 GiB holds ~26k; a serving process then stays under 4 GB once every block was used)
+    kv_cache_memory_gib: float = 1.0
     kv_dtype: str = "auto"
     num_blocks: int | None = None  # overrides the memory budget (both pools get this many)
     max_num_seqs: int = 16
