@@ -140,8 +140,11 @@ class NativeKernel:
         the library once, and a failure's reason carries the compiler's message)."""
         if os.environ.get("SPECDEC_NO_KERNELS") == "1":
             return "SPECDEC_NO_KERNELS=1 is set"
-        if self.level and self.level not in allowed_levels():
-            return f"{ISA_ENV}={os.environ.get(ISA_ENV)} holds the kernels below {self.level}"
+        if self.level and self.level not in (allowed := allowed_levels()):
+            held = os.environ.get(ISA_ENV, "").strip()
+            if not allowed:
+                return f"{ISA_ENV}={held} keeps torch's ops"
+            return f"{ISA_ENV}={held} holds the kernels below {self.level}"
         return _machine_reason(self.cpu_flags) or _load(self)[1]
 
     def load(self) -> ctypes.CDLL | None:
