@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=float, default=1.0, metavar="GIB",
                    help="KV cache budget for both models together, in GiB (default 1: ~26k tokens of the "
                         "default pair; on the CPU its pages are taken as tokens arrive)")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "c", "triton"], default="auto",
+                   help="paged attention: auto (the C kernel on the CPU, Triton on CUDA), torch (the "
+                        "reference), c, or triton (on the CPU only under TRITON_INTERPRET=1: slow, for tests)")
     g.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV cache dtype: the model's, or fp8 (e4m3)")
     g.add_argument("--target-quant", choices=QUANT_MODES, default=None,
@@ -83,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory,
         kv_dtype=args.kv_dtype,
+        attention_backend=args.attention_backend,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         target_quant=args.target_quant,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +53,17 @@ def paged_attention(
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Varlen causal attention over the paged cache: the Triton kernel on CUDA, else the reference.
+    """Varlen causal attention over the paged cache, by `meta.backend`: "triton" the Triton kernel
+    (CUDA, or the CPU under TRITON_INTERPRET=1), "torch" and "c" the reference, "auto" the Triton
+    kernel on CUDA and the reference elsewhere. (The C kernel, `cpu_attention`, is chosen by the
+    model before this is called: it also rotates and writes the keys.)
 
     Query ``i`` of sequence ``b`` sits at position ``p = seq_len_b - query_len_b + i`` and attends
     to keys ``0..p`` (causal within the window, full over the cached prefix); with a sliding
     ``window`` only to keys in ``(p - window, p]``. ``softcap`` caps the scaled scores at
     ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
     """
-    if query.is_cuda and triton_available():
+    if meta.backend == "triton" or (meta.backend == "auto" and query.is_cuda and triton_available()):
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
     return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
 
@@ -298,3 +302,18 @@ def _causal_window_mask(
         padded = query_idx[None, :] >= torch.tensor(query_lens, device=device)[:, None]  # [B, G * max_q]
         visible[:, :, 0] |= padded
     return visible.unsqueeze(1)
+
+
+def check_backend(backend: str, device: torch.device | str) -> None:
+    """`ValueError` saying why `backend` cannot run on `device`: "triton" needs triton installed
+    and, on the CPU, its interpreter (TRITON_INTERPRET=1 in the environment before the first
+    kernel is compiled); "c" needs the CPU."""
+    device_type = torch.device(device).type
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("attention backend 'triton' needs triton: pip install 'specdec[triton]'")
+        if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention backend 'triton' runs on the CPU only through Triton's interpreter: "
+                             "set TRITON_INTERPRET=1 before starting (slow; meant for tests)")
+    elif backend == "c" and device_type != "cpu":
+        raise ValueError(f"attention backend 'c' is the CPU kernel; the models are on {device_type}")

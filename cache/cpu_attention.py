@@ -43,6 +43,8 @@ def supports(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, 
     `MAX_HEAD_DIM`, windows of at most `MAX_QUERY_LEN` rows (decode and verify, not prefill).
     Decided by the first layer of a forward and kept in `meta.scratch` for the others."""
     use = meta.scratch.get("cpu_attention")
+    if use is None and meta.backend not in ("auto", "c"):
+        use = meta.scratch["cpu_attention"] = False
     if use is None:
         head_dim = k_cache.shape[-1]
         use = meta.scratch["cpu_attention"] = bool(

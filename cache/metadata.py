@@ -27,6 +27,7 @@ class AttentionMetadata:
     max_seq_len: int
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    backend: str = "auto"  # the engine's attention_backend (`attention.paged_attention`)
     # What an attention backend derives from the fields above, computed by the first layer of a
     # forward and reused by the others (index tensors, masks); keyed by the backend.
     scratch: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

@@ -12,6 +12,7 @@ from specdec.target.quant.modes import QUANT_MODES
 
 PROPOSERS = ("draft", "hybrid", "ngram", "none")
 KV_DTYPES = ("auto", "fp8")
+ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")
 
 
 @dataclass
@@ -40,6 +41,11 @@ class EngineConfig:
     # so 1 GiB holds ~26k; a serving process then stays under 4 GB once every block was used)
     kv_cache_memory_gib: float = 1.0
     kv_dtype: str = "auto"
+    # Paged attention: "auto" (the C kernel on the CPU where it fits, Triton on CUDA, else the torch
+    # reference), "torch" (the reference everywhere), "c" (the C kernel where it fits, never
+    # Triton), "triton" (the Triton kernel on every layer: on CUDA, or on the CPU under
+    # TRITON_INTERPRET=1, which is how CI runs the GPU path; `cache.attention.check_backend`).
+    attention_backend: str = "auto"
     num_blocks: int | None = None  # overrides the memory budget (both pools get this many)
     max_num_seqs: int = 16
     max_model_len: int | None = None
@@ -79,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"draft_stop_confidence must be in [0, 1), got {self.draft_stop_confidence}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         for name in ("target_quant", "draft_quant"):

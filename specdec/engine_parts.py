@@ -156,7 +156,8 @@ def build_runners(
         num_blocks = max(1, int(config.kv_cache_memory_gib * GIB) // sum(per_block))
     output_vocab = target.config.vocab_size
     runners = [
-        ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks, output_vocab=output_vocab)
+        ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks, output_vocab=output_vocab,
+                          attention_backend=config.attention_backend)
         for m in models
     ]
     return runners[0], (runners[1] if uses_draft else None)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cache import BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata
+from specdec.cache.attention import check_backend
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.decoder_stack import NativeDecoderStack
 
@@ -40,8 +41,11 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: PagedKVCache, output_vocab: int | None = None
+        self, model: LlamaForCausalLM, kv_cache: PagedKVCache, output_vocab: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
+        check_backend(attention_backend, model.model.norm.weight.device)
+        self.attention_backend = attention_backend  # every forward's `meta.backend`
         self.model = model
         self.kv_cache = kv_cache
         self.model_vocab = model.config.vocab_size
@@ -78,11 +82,12 @@ class ModelRunner:
         *,
         num_blocks: int,
         output_vocab: int | None = None,
+        attention_backend: str = "auto",
     ) -> "ModelRunner":
         """A runner whose paged cache has `num_blocks` blocks of `block_size` tokens; logits
         `[R, output_vocab]` (None: the model's own vocabulary)."""
         kv_cache = PagedKVCache(cls.kv_spec(model, block_size, kv_dtype), num_blocks)
-        return cls(model, kv_cache, output_vocab)
+        return cls(model, kv_cache, output_vocab, attention_backend)
 
     def memory_bytes(self) -> tuple[int, int]:
         """(weights, KV pool): the bytes of the model's parameters and buffers (an embedding left
@@ -117,6 +122,7 @@ class ModelRunner:
             offset += end - start
             logits_indices.extend(range(offset - w.num_logits, offset))
         meta = build_attention_metadata([w.table for w in windows], starts, ends, self.device)
+        meta.backend = self.attention_backend
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         logits = self.model(
             self._input_ids(windows), as_tensor(positions), self.kv_cache, meta, as_tensor(logits_indices)

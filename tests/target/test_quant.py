@@ -242,3 +242,14 @@ def test_int4_model_is_fused_at_load_with_unchanged_logits(tmp_path, monkeypatch
         return runner.forward([Window(table, list(range(3, 12)), 9)])
 
     assert torch.equal(logits(fused), logits(separate))
+
+
+def test_a_model_off_the_cpu_is_refused_before_quantizing():
+    """The quantized kernels are CPU only: a model elsewhere (CUDA; here the meta device) is a
+    clear error, not a crash inside a kernel."""
+    from specdec.target.quant.convert import quantize_model
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with pytest.raises(ValueError, match="CPU only"):
+        quantize_model(model, "int4", progress=False)
