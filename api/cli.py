@@ -9,9 +9,12 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from specdec.api import chat_cmd, generate_cmd, models_cmd
 
+    from specdec.version import version
+
     parser = argparse.ArgumentParser(
         prog="specdec", description="Speculative-decoding LLM inference engine."
     )
+    parser.add_argument("--version", action="version", version=f"specdec {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     generate_cmd.register(sub)
     chat_cmd.register(sub)

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 CACHE_FOLDERS = (
     ("gguf", "GGUF assembled from the models packages, for eval's llama.cpp / transformers baselines"),
     ("models", "a GGUF's config, tokenizer and where its weights are"),
-    ("converted", "GGUF converted to safetensors (before session 8; deleted on the next load)"),
+    ("converted", "GGUF converted to safetensors (before v0.8.0; deleted on the next load)"),
     ("quantized", "quantized weights"),
     ("kernels", "compiled C kernels"),
 )

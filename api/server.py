@@ -27,6 +27,7 @@ from specdec.api.errors import install_error_handlers
 from specdec.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from specdec.api.state import ServerSettings, ServerState, server_state
 from specdec.api.tokenize import router as tokenize_router
+from specdec.version import version
 
 PAGE = Path(__file__).parent / "static" / "index.html"
 
@@ -98,10 +99,15 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def model_card() -> dict[str, Any]:
-        card = {"id": state.settings.model_name, "object": "model", "created": started, "owned_by": "specdec"}
+        card = {"id": state.settings.model_name, "object": "model", "created": started, "owned_by": "specdec",
+                "specdec_version": version()}
         if state.engine.info is not None:
             card["max_model_len"] = state.engine.info.max_model_len
         return card
+
+    @app.get("/version", tags=["service"])
+    async def server_version() -> dict[str, str]:
+        return {"version": version()}
 
     @app.get("/v1/models", tags=["openai"])
     async def list_models() -> dict[str, Any]:

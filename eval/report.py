@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from specdec.version import version
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -58,6 +60,7 @@ def provenance(args: argparse.Namespace, words: Sequence[str]) -> dict[str, obje
     return {
         "command": explicit_command(parser, args, words) if parser is not None else None,
         "argv": shlex.join(sys.argv),
+        "specdec_version": version(),
         "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git": git_info(),
         "machine": machine_info(),

@@ -1,6 +1,6 @@
 """Issue 15's end-to-end checks through `specdec serve` with the official openai client.
 
-    python docs/results/session8/issue15_e2e.py PORT OUT.json
+    python docs/results/v0.8.0/issue15_e2e.py PORT OUT.json
 
 against a running `specdec serve --port PORT` (default pair). Writes every answer to OUT.json and
 prints the checks: logprobs with speculation vs a `num_speculative_tokens: 0` request (streamed

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # First load of the default pair from an empty cache, then two later loads, on a quiet machine.
-# Usage: bash docs/results/session9/first_load.sh [cache folder] [site folder]
+# Usage: bash docs/results/v0.9.0/first_load.sh [cache folder] [site folder]
 #   cache folder: default a new temporary one; site folder: run the specdec installed there
 #   (`pip install --no-deps --target DIR <checkout>`) instead of this checkout, for a side-by-side "before".
 set -euo pipefail
