@@ -4,6 +4,7 @@ seed, all aborted when the client leaves) and `echo` for completions."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import httpx
@@ -75,15 +76,21 @@ def test_siblings_start_on_the_cached_prompt(server):
     assert metric(server, hits) - before >= 2 * 32  # 40 prompt tokens: 4 full 8-token blocks
 
 
-def test_disconnect_aborts_every_choice(server):
+def test_disconnect_aborts_every_choice(serve, make_engine):
+    # Each step paced (5 ms): the tiny engine could otherwise finish all 3 x 400 tokens before a
+    # client starved of CPU reads its first line, and the slots would be free already.
+    engine = make_engine()
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.005), step())[1]
     body = chat_body("a long story", n=3, max_tokens=400, ignore_eos=True, stream=True)
-    with httpx.stream("POST", server.url + CHAT, json=body, timeout=30) as response:
-        for line in response.iter_lines():
-            if '"content":"' in line and '"content":""' not in line:
-                break
-        assert server.app.state.specdec.limiter.active == 3, "each choice holds a slot"
-    state = server.app.state.specdec
-    assert wait_until(lambda: state.limiter.active == 0 and kv_used(server) == {"target": 0, "draft": 0})
+    with serve(engine) as server:
+        with httpx.stream("POST", server.url + CHAT, json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if '"content":"' in line and '"content":""' not in line:
+                    break
+            assert server.app.state.specdec.limiter.active == 3, "each choice holds a slot"
+        state = server.app.state.specdec
+        assert wait_until(lambda: state.limiter.active == 0 and kv_used(server) == {"target": 0, "draft": 0})
 
 
 def test_n_over_max_concurrent_is_a_400(serve, make_engine):
