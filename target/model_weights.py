@@ -105,7 +105,7 @@ def release_freed_memory() -> None:
     the default target). Nothing where the C library has no `malloc_trim`."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no glibc (musl, macOS, Windows)
         pass
 
 
