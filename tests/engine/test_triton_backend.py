@@ -118,20 +118,19 @@ def test_n_samples_share_the_prompt_blocks(pair):
     """Three seeded samples of one 30-token prompt: the siblings start on the first one's cached
     blocks, and each backend samples the same tokens."""
     prompt = list(range(10, 40))
-    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=s, ignore_eos=True, logprobs=1) for s in (1, 2, 3)]
     results = {}
     for backend in ("triton", "torch"):
         engine = _engine(pair, backend, num_speculative_tokens=3, num_blocks=128)
         first = engine.add_request(prompt, params[0])
         others = [engine.add_request(prompt, p, share_prompt_with=first) for p in params[1:]]
-        tokens: dict[str, list[int]] = {}
         while engine.has_unfinished():
-            for delta in engine.step():
-                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
-        assert all(engine._sequences[rid].num_cached_tokens == 28 for rid in others)
-        results[backend] = [tokens[rid] for rid in (first, *others)]
-    assert results["triton"] == results["torch"]
-    assert len({tuple(t) for t in results["triton"]}) == 3
+            engine.step()
+        sequences = [engine._sequences[rid] for rid in (first, *others)]
+        assert [s.num_cached_tokens for s in sequences[1:]] == [28, 28]
+        results[backend] = [engine.output(s) for s in sequences]
+    _assert_same(results["triton"], results["torch"])
+    assert len({tuple(o.token_ids) for o in results["triton"]}) == 3
 
 
 def test_seeded_sampling_matches_the_torch_backend(pair):
