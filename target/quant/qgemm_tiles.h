@@ -107,14 +107,8 @@ static inline __attribute__((always_inline)) void tile_rows(
                 : "+x"(acc), "=&x"(t_) : "x"(w), "m"(*(const int32_t *)(a)));                        \
     } while (0)
 #else
-/* acc (int16) += the byte-pair sums of w (unsigned) times the 4 signed bytes at a, in every lane */
-#define MADDUBS_ACC(acc, w, a)                                                                     \
-    do {                                                                                           \
-        __m256i t_;                                                                                \
-        __asm__("vpbroadcastd %3, %1\n\tvpmaddubsw %1, %2, %1\n\tvpaddw %1, %0, %0"                \
-                : "+x"(acc), "=&x"(t_) : "x"(w), "m"(*(const int32_t *)(a)));                        \
-    } while (0)
-/* The same for both halves of a tile from one broadcast: acc0 += w0 . a, acc1 += w1 . a. */
+/* acc0 (int16) += the byte-pair sums of w0 (unsigned) times the 4 signed bytes at a, in every lane,
+ * and acc1 the same with w1: both halves of a tile from one broadcast. */
 #define MADDUBS_ACC2(acc0, acc1, w0, w1, a)                                                        \
     do {                                                                                           \
         __m256i t_, u_;                                                                            \
@@ -133,32 +127,8 @@ static inline __attribute__((always_inline)) void tile_rows(
     } while (0)
 #endif
 
-/* isum[r] = the 8 exact int32 sums of one int4 group half (`w`: its first block + 32 h). AVX2 sums
- * the byte pairs of `vpmaddubsw` in int16 through the group: at most 8 x 2 x 15 x 127 = 30480. */
-static inline __attribute__((always_inline)) void dot_int4(const uint8_t *w, const int8_t *xg, int64_t k,
-                                                          const int R, __m256i *isum) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F);
-    for (int r = 0; r < R; r++) isum[r] = _mm256_setzero_si256();
-    for (int b = 0; b < 4; b++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + 64 * b));
-        const __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        for (int r = 0; r < R; r++) {
-            const int8_t *a = xg + r * k + 8 * b;
-#if defined(__AVXVNNI__)
-            DOT4(isum[r], lo, a);
-            DOT4(isum[r], hi, a + 4);
-#else
-            MADDUBS_ACC(isum[r], lo, a);
-            MADDUBS_ACC(isum[r], hi, a + 4);
-#endif
-        }
-    }
-#if !defined(__AVXVNNI__)
-    for (int r = 0; r < R; r++) isum[r] = _mm256_madd_epi16(isum[r], _mm256_set1_epi16(1));
-#endif
-}
-
-/* The same for an int8 group half. AVX2 multiplies the signed weights q - 128 (|.| <= 127, so a
+/* isum[r] = the 8 exact int32 sums of one int8 group half (`w`: its first block + 32 h). AVX2
+ * multiplies the signed weights q - 128 (|.| <= 127, so a
  * byte pair stays under 2^15) by sign-moved activations and adds 128 * sum(xq) back. */
 static inline __attribute__((always_inline)) void dot_int8(const uint8_t *w, const int8_t *xg, int64_t k,
                                                           const struct group_consts *gc, int64_t groups,
@@ -185,7 +155,8 @@ static inline __m256 load_bf16x8_bytes(const uint8_t *p) { return load_bf16x8((c
 
 /* An int4 tile against R <= 3 rows, both halves in one pass: each broadcast of 4 activations
  * feeds the products of both halves (half the broadcasts of a pass per half). lo[r] and hi[r]
- * receive outputs 0-7 and 8-15, computed as `tile_rows` computes each half. */
+ * receive outputs 0-7 and 8-15. AVX2 sums the byte pairs of `vpmaddubsw` in int16 through the
+ * group (at most 8 x 2 x 15 x 127 = 30480), then in int32 (`vpmaddwd`). */
 static inline __attribute__((always_inline)) void int4_rows_both_halves(
     const uint8_t *tile, int64_t groups, const int8_t *xq, const struct group_consts *gc, int64_t k,
     const int R, __m256 *lo, __m256 *hi) {
@@ -244,36 +215,22 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         return;
     }
-    const int64_t group_bytes = bits == 4 ? 320 : 544;
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < 2; h++) { /* int8: a pass per half */
         __m256 out[MAX_ROWS];
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *p = tile + g * group_bytes;
+            const uint8_t *p = tile + g * 544;
             if (h == 0)
-                for (int64_t line = 0; line < group_bytes; line += 64)
+                for (int64_t line = 0; line < 544; line += 64)
                     _mm_prefetch((const char *)p + PREFETCH_BYTES + line, _MM_HINT_T0);
-            const int8_t *xg = xq + g * GROUP;
             __m256i isum[MAX_ROWS];
-            if (bits == 4) {
-                dot_int4(p + 32 * h, xg, k, R, isum);
-                const __m256 step = load_bf16x8_bytes(p + 256 + 16 * h), zero = load_bf16x8_bytes(p + 288 + 16 * h);
-                for (int r = 0; r < R; r++) {
-                    const struct group_consts *c = &gc[r * groups + g];
-                    __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(c->scale),
-                                               _mm256_set1_ps(c->int4_offset));
-                    out[r] = _mm256_fmadd_ps(step, t, out[r]);
-                    out[r] = _mm256_fmadd_ps(zero, _mm256_set1_ps(c->sum), out[r]);
-                }
-            } else {
-                dot_int8(p + 32 * h, xg, k, gc + g, groups, R, isum);
-                const __m256 step = load_bf16x8_bytes(p + 512 + 16 * h);
-                for (int r = 0; r < R; r++) {
-                    const struct group_consts *c = &gc[r * groups + g];
-                    __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(c->scale),
-                                               _mm256_set1_ps(c->int8_offset));
-                    out[r] = _mm256_fmadd_ps(step, t, out[r]);
-                }
+            dot_int8(p + 32 * h, xq + g * GROUP, k, gc + g, groups, R, isum);
+            const __m256 step = load_bf16x8_bytes(p + 512 + 16 * h);
+            for (int r = 0; r < R; r++) {
+                const struct group_consts *c = &gc[r * groups + g];
+                __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(c->scale),
+                                           _mm256_set1_ps(c->int8_offset));
+                out[r] = _mm256_fmadd_ps(step, t, out[r]);
             }
         }
         for (int r = 0; r < R; r++) {
