@@ -22,6 +22,7 @@ import asyncio
 import copy
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ class EngineInfo:
     # The engine's grammar compiler (structured output), for checking a schema before it is queued;
     # its caches are safe to share (llguidance's objects are thread-safe). None without a tokenizer.
     grammars: Any = None
+    block_size: int = 16  # tokens per block of the target's prefix cache
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class EngineSnapshot:
     num_running: int = 0
     acceptance: dict[str, Any] = field(default_factory=dict)
     drafted_per_position: tuple[int, ...] = ()
+    # the keys of the blocks the target's prefix cache holds (only with `AsyncEngine.publish_keys`:
+    # a replica reports them to the router)
+    cached_keys: tuple[bytes, ...] = ()
 
 
 class RequestStream:
@@ -143,6 +149,8 @@ class AsyncEngine:
         self.error: str | None = None
         self.snapshot = EngineSnapshot()
         self.ready = threading.Event()
+        self.publish_keys = False  # put the prefix cache's block keys in every snapshot
+        self._step_started: float | None = None  # monotonic time the running step began
 
     # ---- event-loop side -----------------------------------------------------------------------
 
@@ -161,6 +169,11 @@ class AsyncEngine:
         with self._cond:
             pending = sum(1 for cmd in self._inbox if cmd[0] == "add")
         return self.snapshot.num_waiting + pending
+
+    def step_seconds(self) -> float:
+        """How long the step running now has run (0 between steps): a health check's stall gauge."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request; its deltas arrive on the returned stream. Raises EngineDeadError."""
@@ -233,6 +246,7 @@ class AsyncEngine:
 
     def _step(self, engine: Any) -> list[StepDelta]:
         """One engine step; a failed one fails its requests, unless steps keep failing."""
+        self._step_started = time.monotonic()
         try:
             deltas = engine.step()
         except StepError as exc:
@@ -241,6 +255,8 @@ class AsyncEngine:
                 raise
             self._fail_requests(exc)
             return []
+        finally:
+            self._step_started = None
         self._failures = 0
         return deltas
 
@@ -313,6 +329,7 @@ class AsyncEngine:
             num_running=len(scheduler.running),
             acceptance=engine.stats.as_dict(),
             drafted_per_position=tuple(self._drafted_per_position),
+            cached_keys=tuple(engine.cached_block_keys()) if self.publish_keys else (),
         )
 
     def _die(self, message: str) -> None:
@@ -345,6 +362,8 @@ def _engine_info(engine: Any) -> EngineInfo:
         speculative=engine.proposer is not None,
         num_speculative_tokens=engine.config.num_speculative_tokens if engine.proposer is not None else 0,
         grammars=engine.grammars if engine.tokenizer is not None else None,
+        block_size=engine.block_size,
+        eos_token_ids=tuple(sorted(engine.eos_token_ids)),
     )
 
 

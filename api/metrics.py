@@ -95,6 +95,9 @@ class _EngineCollector:
         yield blocks
         yield from self._prefix_cache(snap.prefix_cache)
         yield from self._acceptance(snap.acceptance, snap.drafted_per_position)
+        extra = getattr(engine, "extra_metrics", None)  # engine replicas: routing and per-replica hits
+        if extra is not None:
+            yield from extra()
 
     @staticmethod
     def _prefix_cache(stats: dict[str, dict[str, int]]) -> Iterator[Metric]:

@@ -3,6 +3,8 @@
 The models load, then warm up (`specdec.warmup`; `--no-warmup` skips it), on the engine thread
 while the server already listens, so `GET /health` answers 503 ("loading", then "warming up") until
 the first request will be served warm; if loading fails the server logs why and exits with status 1.
+
+`--replicas N` serves the same API on Ray Serve over N engine replicas (`specdec.api.cluster`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_warmup_arg(p)
     add_engine_args(p)
+    from specdec.api.cluster.app import add_cluster_args  # argparse only: Ray is imported by --replicas
+
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -65,6 +70,12 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes, on_load_error=on_dead,
         warmup=args.warmup,
     )
+    if args.replicas is not None:
+        from specdec.api.cluster import app as cluster
+
+        settings.on_load_error = None  # a replica that fails to load is retried by Ray
+        logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+        return cluster.run(args, config, settings)
     app = create_app(lambda: Engine(config), settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")

@@ -34,10 +34,11 @@ PAGE = Path(__file__).parent / "static" / "index.html"
 
 def create_app(engine: Any | Callable[[], Any] | AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `engine`: an Engine, a factory that builds one (run on the engine thread, so
-    /health answers 503 while it loads, then while it warms up if `settings.warmup`), or an
-    AsyncEngine."""
+    /health answers 503 while it loads, then while it warms up if `settings.warmup`), an
+    AsyncEngine, or a `cluster.client.ReplicaEngine` (engine replicas on Ray Serve; then GET
+    /cluster shows the router's view of them)."""
     settings = settings or ServerSettings()
-    if not isinstance(engine, AsyncEngine):
+    if not hasattr(engine, "submit_all"):  # an Engine or a factory; AsyncEngine and ReplicaEngine pass
         from specdec.warmup import warm_up
 
         engine = AsyncEngine(engine, on_load_error=settings.on_load_error,
@@ -51,7 +52,7 @@ def create_app(engine: Any | Callable[[], Any] | AsyncEngine, settings: ServerSe
         await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(
-        title="specdec", version="0.1.0", lifespan=lifespan,
+        title="specdec", version=version(), lifespan=lifespan,
         description="OpenAI-compatible server over a speculative-decoding engine.",
     )
     app.state.specdec = state
@@ -104,6 +105,12 @@ def _add_service_routes(app: FastAPI, state: ServerState) -> None:
         if state.engine.info is not None:
             card["max_model_len"] = state.engine.info.max_model_len
         return card
+
+    if hasattr(state.engine, "cluster_status"):
+        @app.get("/cluster", tags=["service"])
+        async def cluster() -> dict[str, Any]:
+            """The engine replicas as the router sees them, and its counters."""
+            return state.engine.cluster_status()
 
     @app.get("/version", tags=["service"])
     async def server_version() -> dict[str, str]:

@@ -36,6 +36,21 @@ def block_key(parent: BlockKey | None, token_ids: Iterable[int], salt: str | Non
     return h.digest()
 
 
+def prefix_block_keys(token_ids: list[int], block_size: int, salt: str | None = None) -> list[BlockKey]:
+    """The keys of every full block of ``token_ids``, chained as a ``BlockTable`` chains them: what
+    a pool holding this prefix has cached under (a router matches these against a replica's keys).
+
+    >>> keys = prefix_block_keys([1, 2, 3, 4, 5], block_size=2)
+    >>> len(keys), keys[1] == block_key(block_key(None, [1, 2]), [3, 4])
+    (2, True)
+    """
+    keys: list[BlockKey] = []
+    for i in range(len(token_ids) // block_size):
+        keys.append(block_key(keys[-1] if keys else None, token_ids[i * block_size : (i + 1) * block_size],
+                              salt if i == 0 else None))
+    return keys
+
+
 @dataclass
 class PrefixCacheStats:
     """Tokens asked for and found in a pool's prefix cache (prompts only)."""
@@ -95,6 +110,10 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self._num_blocks - self.num_free
+
+    def cached_keys(self) -> list[BlockKey]:
+        """The keys of every cached block, held or not (what a prefix lookup would find)."""
+        return list(self._cached)
 
     def ref_count(self, block_id: int) -> int:
         """How many holders share ``block_id`` (0 when it is free)."""

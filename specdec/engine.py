@@ -419,6 +419,16 @@ class Engine:
             for name, p in self._pools().items()
         }
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block of the target's pool (the unit of its prefix cache)."""
+        return self.target.block_size
+
+    def cached_block_keys(self) -> list[bytes]:
+        """The keys of every block the target's prefix cache holds (`cache.block_pool.block_key`):
+        what a router matches a request's prompt against."""
+        return self.target.pool.cached_keys()
+
     def reset_stats(self) -> None:
         """Zero the counters users read: acceptance, and prefix-cache lookups per pool."""
         self.stats = AcceptanceStats()

@@ -155,3 +155,15 @@ def noisy_twin(model: torch.nn.Module, sigma: float = 0.006, seed: int = 0) -> t
             if p.dim() == 2:
                 p.add_(torch.randn(p.shape, generator=gen) * sigma)
     return twin
+
+
+def tiny_serving_engine(seed: int = 0, **overrides):
+    """A fresh Engine over the tiny pair (a draft that agrees about half the time), as the server
+    tests build it; importable by name, so a Ray replica can build one (`functools.partial`)."""
+    from specdec.config import EngineConfig
+    from specdec.engine import Engine
+
+    target, _, tokenizer = tiny_engine_parts(seed)
+    kwargs = dict(dtype="float32", num_blocks=256, block_size=8, num_speculative_tokens=4, max_num_seqs=16)
+    kwargs.update(overrides)
+    return Engine.from_models(EngineConfig(**kwargs), target, noisy_twin(target), tokenizer)

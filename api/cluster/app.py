@@ -1,0 +1,215 @@
+"""`specdec serve --replicas N`: the OpenAI server on Ray Serve, over N engine replicas.
+
+    HTTP (Ray Serve's proxy) -> Ingress (today's FastAPI app: endpoints, SSE, /metrics, /health,
+                                the chat page; tokenizing and the chat template happen here)
+                                  | deployment handle, routed by SpecdecRouter (prefix cache)
+                                  v
+                                EngineReplica x N (one Engine each)
+
+`build_app` makes the Ray Serve application (tests deploy it on a local Ray with tiny engines);
+`run` is the command: it joins `--ray-address` or starts a local Ray (dashboard off, bounded object
+store), deploys, and serves until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.api.cluster.routing import POLICIES, PrefixPolicyConfig, check_policy
+
+logger = logging.getLogger("specdec.api")
+
+APP_NAME = "specdec"
+ROUTER_HEADER = "x-specdec-router"
+
+
+@dataclass
+class ClusterOptions:
+    """How the replicas are deployed and routed (the engine's own settings are its factory's)."""
+
+    replicas: int = 2
+    router: str = "prefix"
+    replica_cpus: float = 1.0  # Ray's CPU reservation per replica
+    replica_threads: int | None = None  # torch / OpenMP threads per replica (default: its CPUs)
+    route_timeout_s: float = 120.0  # a request no replica takes within this fails (503 / SSE error)
+    stall_timeout_s: float = 300.0  # one engine step running longer fails the health check
+    health_check_period_s: float = 2.0
+    stats_period_s: float = 1.0  # how often each replica reports its cached blocks to the router
+    warmup: bool = False
+    step_delay_s: float = 0.0  # slow every engine step (fault tests)
+    balance: PrefixPolicyConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+        check_policy(self.router)
+        if self.route_timeout_s <= 0 or self.stall_timeout_s <= 0:
+            raise ValueError("--route-timeout and --stall-timeout must be positive")
+
+
+class Ingress:
+    """The ingress deployment's body: the FastAPI app over a `ReplicaEngine`."""
+
+    def __init__(self, engine_handle: Any, settings: Any, route_timeout_s: float) -> None:
+        from specdec.api.cluster.client import ReplicaEngine
+
+        self._engine = ReplicaEngine(engine_handle, route_timeout_s)
+        self._settings = settings
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from specdec.api.server import create_app
+
+        app = create_app(self._engine, self._settings)
+        app.add_middleware(RouterHeaderMiddleware)
+        return app
+
+
+class RouterHeaderMiddleware:
+    """`x-specdec-router: prefix|pow2|round-robin|one` routes this request by that policy instead of
+    the server's (benchmarks compare policies on one cluster); an unknown name is a 400."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from specdec.api.cluster.client import REQUEST_POLICY
+
+        value = dict(scope.get("headers") or []).get(ROUTER_HEADER.encode())
+        if value is None:
+            return await self.app(scope, receive, send)
+        policy = value.decode("latin-1").strip()
+        if policy not in POLICIES:
+            from fastapi.responses import JSONResponse
+
+            from specdec.api.errors import error_body
+
+            body = error_body(f"unknown router {policy!r} in {ROUTER_HEADER}; choose one of {', '.join(POLICIES)}",
+                              "invalid_request_error", ROUTER_HEADER, "invalid_value")
+            return await JSONResponse(body, status_code=400)(scope, receive, send)
+        token = REQUEST_POLICY.set(policy)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            REQUEST_POLICY.reset(token)
+
+
+def build_app(engine_factory: Any, settings: Any, options: ClusterOptions) -> Any:
+    """The Ray Serve application: an ingress bound to N engine replicas."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from specdec.api.cluster.replica import EngineReplica
+
+    balance = options.balance or PrefixPolicyConfig()
+    threads = options.replica_threads or max(1, int(options.replica_cpus))
+    engine = serve.deployment(
+        EngineReplica, name="EngineReplica", num_replicas=options.replicas,
+        max_ongoing_requests=max(8, settings.max_concurrent),
+        health_check_period_s=options.health_check_period_s,
+        health_check_timeout_s=max(30.0, options.health_check_period_s * 5),
+        graceful_shutdown_timeout_s=5.0,
+        ray_actor_options={
+            "num_cpus": options.replica_cpus,
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+        },
+        request_router_config=RequestRouterConfig(
+            request_router_class="specdec.api.cluster.ray_router.SpecdecRouter",
+            request_router_kwargs={"policy": options.router, "balance_abs": balance.balance_abs,
+                                   "balance_rel": balance.balance_rel, "min_match": balance.min_match},
+            request_routing_stats_period_s=options.stats_period_s,
+            request_routing_stats_timeout_s=max(10.0, options.stats_period_s * 5),
+        ),
+    )
+    ingress = serve.deployment(
+        serve.ingress()(Ingress), name="Ingress", num_replicas=1,
+        max_ongoing_requests=max(16, 2 * settings.max_concurrent), ray_actor_options={"num_cpus": 0},
+    )
+    replica = engine.bind(engine_factory, warmup=options.warmup, stall_timeout_s=options.stall_timeout_s,
+                          step_delay_s=options.step_delay_s)
+    return ingress.bind(replica, settings, options.route_timeout_s)
+
+
+def build_engine(config: Any) -> Any:
+    """The replicas' engine factory for `specdec serve` (picklable with `functools.partial`)."""
+    from specdec.engine import Engine
+
+    return Engine(config)
+
+
+def start_ray(address: str | None, num_cpus: int | None = None, object_store_bytes: int = 256 << 20) -> None:
+    """Join the cluster at `address`, or start a local Ray: no dashboard, a bounded object store."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, logging_level=logging.WARNING)
+        return
+    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, object_store_memory=object_store_bytes,
+             logging_level=logging.WARNING)
+
+
+def deploy(engine_factory: Any, settings: Any, options: ClusterOptions, host: str, port: int) -> None:
+    """Start Ray Serve's proxy on host:port and deploy the app (returns once every replica is up)."""
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(engine_factory, settings, options), name=APP_NAME, route_prefix="/", blocking=False)
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("replicas (Ray Serve; pip install -e '.[cluster]')")
+    g.add_argument("--replicas", type=int, default=None, metavar="N",
+                   help="serve with N engine replicas on Ray Serve, routed by the prefix cache they hold "
+                        "(without it: one engine in this process, and Ray is not imported)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (`ray start --head` on one machine, `ray start --address` "
+                        "on the others); default: start a local Ray")
+    g.add_argument("--router", choices=POLICIES, default="prefix",
+                   help="prefix: the replica holding the longest cached prefix of the prompt (power of two "
+                        "choices when queues are unbalanced); pow2; round-robin; one (everything to one "
+                        "replica). A request may override it with the x-specdec-router header")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per replica (default: this machine's CPUs / N, at least 1)")
+    g.add_argument("--route-timeout", type=float, default=120.0, metavar="S",
+                   help="a request that no replica takes within S seconds fails")
+    g.add_argument("--stall-timeout", type=float, default=300.0, metavar="S",
+                   help="a replica whose engine step runs longer than S seconds is replaced")
+
+
+def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
+    """`specdec serve --replicas N`: deploy and serve until interrupted."""
+    try:
+        from ray import serve
+    except ImportError:
+        logger.error("--replicas needs Ray Serve: pip install -e '.[cluster]' (or pip install 'ray[serve]')")
+        return 2
+    cpus = os.cpu_count() or 1
+    replica_cpus = args.replica_cpus or max(1.0, cpus // args.replicas)
+    options = ClusterOptions(
+        replicas=args.replicas, router=args.router, replica_cpus=replica_cpus,
+        route_timeout_s=args.route_timeout, stall_timeout_s=args.stall_timeout, warmup=args.warmup,
+    )
+    start_ray(args.ray_address, num_cpus=None if args.ray_address else max(cpus, int(replica_cpus * args.replicas)))
+    logger.info("deploying %d engine replica(s) (%g CPU each, router: %s); /health is 200 once one is ready",
+                options.replicas, replica_cpus, options.router)
+    started = time.perf_counter()
+    deploy(functools.partial(build_engine, config), settings, options, args.host, args.port)
+    logger.info("serving %r on http://%s:%d with %d replicas (ready in %.1fs; GET /cluster shows them)",
+                settings.model_name, args.host, args.port, options.replicas, time.perf_counter() - started)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        logger.info("shutting down the replicas")
+    finally:
+        serve.shutdown()
+    return 0
