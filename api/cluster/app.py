@@ -144,7 +144,8 @@ def build_engine(config: Any) -> Any:
     return Engine(config)
 
 
-def start_ray(address: str | None, num_cpus: int | None = None, object_store_bytes: int = 256 << 20) -> None:
+def start_ray(address: str | None, num_cpus: int | None = None, object_store_bytes: int = 256 << 20,
+              log_to_driver: bool = True) -> None:
     """Join the cluster at `address`, or start a local Ray: no dashboard, a bounded object store."""
     import ray
 
@@ -154,7 +155,7 @@ def start_ray(address: str | None, num_cpus: int | None = None, object_store_byt
         ray.init(address=address, logging_level=logging.WARNING)
         return
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, object_store_memory=object_store_bytes,
-             logging_level=logging.WARNING)
+             logging_level=logging.WARNING, log_to_driver=log_to_driver)
 
 
 def deploy(engine_factory: Any, settings: Any, options: ClusterOptions, host: str, port: int) -> None:
@@ -213,3 +214,15 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     finally:
         serve.shutdown()
     return 0
+
+
+def replica_actor_name(replica_id: str, app: str = APP_NAME) -> str:
+    """The Ray actor name of an engine replica (as /cluster lists it by id), in Serve's namespace."""
+    return f"SERVE_REPLICA::{app}#EngineReplica#{replica_id}"
+
+
+def kill_replica(replica_id: str, app: str = APP_NAME) -> None:
+    """Kill an engine replica's process now, as a crash would (fault drills; Ray Serve replaces it)."""
+    import ray
+
+    ray.kill(ray.get_actor(replica_actor_name(replica_id, app), namespace="serve"), no_restart=True)

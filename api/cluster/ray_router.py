@@ -85,6 +85,8 @@ class SpecdecRouter(FIFOMixin, RequestRouter):
         alive = {r.replica_id.unique_id for r in replicas}
         with ledger.LEDGER.lock:
             gone = [rid for rid in ledger.LEDGER.views if rid not in alive]
+            for rid in alive:  # /cluster lists every running replica, routed to yet or not
+                ledger.LEDGER.view(rid)
         ledger.LEDGER.forget(gone)
 
 
