@@ -58,6 +58,9 @@ class ServeBenchOptions:
     progress: bool = True
     multi_turn: bool = False
     max_turns: int = 3
+    # --multi-turn against `specdec serve --replicas N`: one cached pass per router policy, each sent
+    # with the `x-specdec-router` header, instead of the with / without caching pair
+    routers: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint is None:
@@ -76,6 +79,17 @@ class ServeBenchOptions:
             raise ValueError("--limit (the number of requests) must be positive")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError("--max-concurrency must be positive")
+        if self.routers is not None:
+            if not self.multi_turn:
+                raise ValueError("--routers compares routers on multi-turn chat: add --multi-turn")
+            unknown = [r for r in self.routers if r not in ROUTERS]
+            if unknown or not self.routers or len(set(self.routers)) != len(self.routers):
+                raise ValueError(f"--routers takes distinct names among {', '.join(ROUTERS)}, got {self.routers}")
+
+    @property
+    def passes(self) -> tuple[str, ...]:
+        """The passes run at every rate, in this order."""
+        return PASSES if self.routers is None else tuple(ROUTER_PASS + r for r in self.routers)
 
     @property
     def chat(self) -> bool:
@@ -125,7 +139,8 @@ async def send_request(client, url: str, body: dict, request: SampledRequest, co
     return trace
 
 
-async def stream_request(client, url: str, body: dict, trace: RequestTrace) -> tuple[str, dict | None]:
+async def stream_request(client, url: str, body: dict, trace: RequestTrace,
+                         headers: dict | None = None) -> tuple[str, dict | None]:
     """Stream one request into `trace` (a stamp per chunk that brings text; output and cached tokens
     from the usage chunk); returns the streamed text and the server's `usage` (None without one).
     A failure marks the trace instead of raising."""
@@ -134,7 +149,7 @@ async def stream_request(client, url: str, body: dict, trace: RequestTrace) -> t
     text: list[str] = []
     usage: dict | None = None
     try:
-        async with client.stream("POST", url, json=body) as response:
+        async with client.stream("POST", url, json=body, headers=headers) as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:300]
                 raise RuntimeError(f"HTTP {response.status_code}: {detail}")
@@ -312,6 +327,21 @@ def write_report(out: Path, meta: dict, opts: ServeBenchOptions, result: dict) -
 
 PASSES = ("cache", "no-cache")  # run in this order at every rate; "no-cache" salts every request
 PASS_LABELS = {"cache": "with caching", "no-cache": "without caching"}
+# With --routers: one cached pass per router policy of `specdec serve --replicas` (specdec.api.cluster)
+ROUTERS = ("prefix", "round-robin", "pow2", "one")
+ROUTER_PASS = "router:"
+ROUTER_HEADER = "x-specdec-router"
+
+
+def pass_label(name: str) -> str:
+    if name.startswith(ROUTER_PASS):
+        router = name[len(ROUTER_PASS):]
+        return "one replica" if router == "one" else f"{router} router"
+    return PASS_LABELS[name]
+
+
+def pass_headers(name: str) -> dict | None:
+    return {ROUTER_HEADER: name[len(ROUTER_PASS):]} if name.startswith(ROUTER_PASS) else None
 _TABLE_PERCENTILES = (50.0, 99.0)
 
 
@@ -361,7 +391,7 @@ def fresh_salt() -> str:
 
 async def run_conversation(
     client, opts: ServeBenchOptions, model: str, index: int, conversation: Conversation, salted: bool,
-    count_tokens, bar, pass_salt: str | None = None,
+    count_tokens, bar, pass_salt: str | None = None, headers: dict | None = None,
 ) -> list[TurnTrace]:
     """Send a conversation's turns in order, each with the whole history so far: every earlier
     message and the answer the server streamed for it. After a failed turn the rest are failed
@@ -377,7 +407,7 @@ async def run_conversation(
         messages.append({"role": "user", "content": turn.prompt})
         body = chat_payload(opts, model, list(messages), turn.output_len, fresh_salt() if salted else pass_salt)
         trace = RequestTrace(time.perf_counter())
-        answer, usage = await stream_request(client, opts.endpoint, body, trace)
+        answer, usage = await stream_request(client, opts.endpoint, body, trace, headers)
         prompt_tokens = (usage or {}).get("prompt_tokens")
         trace.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else sum(
             count_tokens(m["content"]) for m in messages)
@@ -391,7 +421,7 @@ async def run_conversation(
 
 async def run_pass(
     client, opts: ServeBenchOptions, model: str, conversations: list[Conversation], rate: float,
-    salted: bool, count_tokens, bar,
+    salted: bool, count_tokens, bar, headers: dict | None = None,
 ) -> dict:
     """Every conversation once, starting at Poisson arrivals (the same offsets in every pass).
     Unsalted requests share one salt per pass: they reuse each other's prefixes but nothing an
@@ -403,10 +433,11 @@ async def run_pass(
 
     async def one(index: int, conversation: Conversation, offset: float) -> list[TurnTrace]:
         await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+        args = (client, opts, model, index, conversation, salted, count_tokens, bar, pass_salt, headers)
         if limit is None:
-            return await run_conversation(client, opts, model, index, conversation, salted, count_tokens, bar, pass_salt)
+            return await run_conversation(*args)
         async with limit:
-            return await run_conversation(client, opts, model, index, conversation, salted, count_tokens, bar, pass_salt)
+            return await run_conversation(*args)
 
     done = await asyncio.gather(*(one(i, c, o) for i, (c, o) in enumerate(zip(conversations, offsets))))
     duration = time.perf_counter() - start
@@ -442,7 +473,7 @@ def pass_warnings(passes: dict[str, dict]) -> list[str]:
     warnings = []
     if all(p["prefix_hit_rate"] is None for p in passes.values()):
         warnings.append("the server reports no usage.prompt_tokens_details.cached_tokens: hit rates unknown")
-    elif (passes["no-cache"]["cached_tokens"] or 0) > 0:
+    elif "no-cache" in passes and (passes["no-cache"]["cached_tokens"] or 0) > 0:
         warnings.append("salted requests found cached tokens: the server seems to ignore cache_salt, so "
                         "the 'without caching' pass is not cold")
     return warnings
@@ -464,14 +495,15 @@ async def run_multi_turn_all(opts: ServeBenchOptions, conversations: list[Conver
         if not probe.success:  # salted, so the probe leaves nothing the cached pass could reuse
             raise ValueError(f"the test request to {opts.base_url}{opts.endpoint} failed: {probe.error}")
         runs = []
-        with tqdm(total=num_turns * len(PASSES) * len(opts.request_rates), desc="bench serve multi-turn",
+        with tqdm(total=num_turns * len(opts.passes) * len(opts.request_rates), desc="bench serve multi-turn",
                   unit="turn", disable=not opts.progress) as bar:
             for rate in opts.request_rates:
                 passes = {}
-                for name in PASSES:
-                    bar.set_postfix_str(f"rate {rate}/s, {PASS_LABELS[name]}")
+                for name in opts.passes:
+                    bar.set_postfix_str(f"rate {rate}/s, {pass_label(name)}")
                     passes[name] = await run_pass(
-                        client, opts, model, conversations, rate, name == "no-cache", count_tokens, bar)
+                        client, opts, model, conversations, rate, name == "no-cache", count_tokens, bar,
+                        pass_headers(name))
                 warnings = pass_warnings(passes)
                 runs.append({"request_rate": rate, "passes": passes, "warnings": warnings})
     return {"model": model, "multi_turn": True, "runs": runs}
@@ -502,9 +534,43 @@ def _ratio(with_cache: float | None, without: float | None) -> str | None:
     return f"{with_cache / without:.2f}x"
 
 
+def router_table(result: dict) -> str:
+    """Side by side, per rate, one column per router: later-turn hit rate, TTFT p50 / p99 of first
+    and later turns, throughput, completed turns; the prefix router's ratios to the others."""
+    names = list(result["runs"][0]["passes"])
+    others = [n for n in names if n != ROUTER_PASS + "prefix"]
+    has_prefix = len(others) < len(names)
+    headers = ["rate", "metric", "turns", *map(pass_label, names),
+               *([f"prefix / {pass_label(n)}" for n in others] if has_prefix else [])]
+    rows = []
+    for run in result["runs"]:
+        passes = run["passes"]
+
+        def row(label: str, turns: str, values: list) -> None:
+            base = dict(zip(names, values)).get(ROUTER_PASS + "prefix")
+            ratios = [_ratio(base, dict(zip(names, values))[n]) for n in others] if has_prefix else []
+            rows.append([run["request_rate"], label, turns, *values, *ratios])
+
+        for turns in ("later", "first"):
+            row("prefix hit rate", turns, [passes[n]["by_turn"][turns]["prefix_hit_rate"] for n in names])
+        for p in _TABLE_PERCENTILES:
+            key = metrics.percentile_key(p)
+            for turns in ("later", "first"):
+                row(f"TTFT {key} (ms)", turns, [passes[n]["by_turn"][turns]["ttft_ms"][key] for n in names])
+        row("output tok/s", "all", [passes[n]["output_throughput"] for n in names])
+        row("turns/s", "all", [passes[n]["request_throughput"] for n in names])
+        rows.append([run["request_rate"], "completed turns", "all",
+                     *[f"{passes[n]['completed']}/{passes[n]['completed'] + passes[n]['failed']}" for n in names],
+                     *([None] * len(others) if has_prefix else [])])
+    notes = [f"warning (rate {run['request_rate']}): {w}" for run in result["runs"] for w in run["warnings"]]
+    return "\n\n".join([report.markdown_table(headers, rows), *notes])
+
+
 def multi_turn_table(result: dict) -> str:
     """Side by side, per rate: TTFT / TPOT / ITL p50 and p99 and the prefix hit rate for first and
-    later turns, with and without caching, and their ratio."""
+    later turns, with and without caching, and their ratio (or, with --routers, `router_table`)."""
+    if "cache" not in result["runs"][0]["passes"]:
+        return router_table(result)
     headers = ["rate", "metric", "turns", PASS_LABELS["cache"], PASS_LABELS["no-cache"], "with / without"]
     rows = []
     for run in result["runs"]:
@@ -531,24 +597,26 @@ def multi_turn_throughput_table(result: dict) -> str:
                "output tok/s", "prompt tok", "cached tok", "hit rate"]
     rows = []
     for run in result["runs"]:
-        for name in PASSES:
-            p = run["passes"][name]
-            rows.append([run["request_rate"], PASS_LABELS[name], f"{p['completed_conversations']}/{p['conversations']}",
+        for name, p in run["passes"].items():
+            rows.append([run["request_rate"], pass_label(name), f"{p['completed_conversations']}/{p['conversations']}",
                          p["completed"], p["failed"], p["duration_s"], p["request_throughput"],
                          p["output_throughput"], p["prompt_tokens"], p["cached_tokens"], p["prefix_hit_rate"]])
     return report.markdown_table(headers, rows)
 
 
 def plot_multi_turn(result: dict, path: Path) -> Path:
-    """p50 TTFT / TPOT / ITL of first and later turns, with and without caching, per rate."""
+    """p50 TTFT / TPOT / ITL of first and later turns, per pass (with and without caching, or per
+    router), per rate."""
     fig, axes = report.new_figure(ncols=3, width=4.5)
     groups = [(run, turns) for run in result["runs"] for turns in ("first", "later")]
     labels = [f"{run['request_rate']:g}/s {turns}" for run, turns in groups]
     x = np.arange(len(groups))
     for ax, (name, title) in zip(axes, (("ttft_ms", "TTFT p50"), ("tpot_ms", "TPOT p50"), ("itl_ms", "ITL p50"))):
-        for offset, pass_name in ((-0.2, "cache"), (0.2, "no-cache")):
+        names = list(result["runs"][0]["passes"])
+        width = 0.8 / len(names)
+        for i, pass_name in enumerate(names):
             values = [run["passes"][pass_name]["by_turn"][turns][name]["p50"] or 0.0 for run, turns in groups]
-            ax.bar(x + offset, values, width=0.4, label=PASS_LABELS[pass_name])
+            ax.bar(x + (i - (len(names) - 1) / 2) * width, values, width=width, label=pass_label(pass_name))
         ax.set_xticks(x, labels, rotation=30, ha="right")
         ax.set(title=title, ylabel="ms")
         ax.legend()
@@ -561,6 +629,19 @@ def write_multi_turn_report(out: Path, meta: dict, opts: ServeBenchOptions, resu
     conversations = result["conversations"]
     num_turns = sum(len(c["turns"]) for c in conversations)
     files = [report.write_json(out / "serve_multi_turn.json", payload_)]
+    if opts.routers is not None:
+        files.append(report.write_markdown(out / "serve_multi_turn.md", "Multi-turn serving benchmark", meta, [
+            ("Routers side by side", router_table(result) + (
+                f"\n\n{len(conversations)} ShareGPT conversations ({num_turns} turns, at most {opts.max_turns} "
+                f"each) against {opts.base_url}{opts.endpoint} (model {result['model']}), once per router, each "
+                f"pass with its own cache salt (so none reuses another's blocks) and the {ROUTER_HEADER} header "
+                "naming the router; 'one replica' sends every request to the same replica, as one server "
+                "would. Conversations start at Poisson arrivals of the given rate; their turns go one after "
+                "another. Hit rate = cached / prompt tokens (from the usage chunk).")),
+            ("Throughput", multi_turn_throughput_table(result)),
+        ]))
+        files.append(plot_multi_turn(result, out / "serve_multi_turn.png"))
+        return files
     files.append(report.write_markdown(out / "serve_multi_turn.md", "Multi-turn serving benchmark", meta, [
         ("With and without prefix caching", multi_turn_table(result) + (
             f"\n\n{len(conversations)} ShareGPT conversations ({num_turns} turns, at most {opts.max_turns} each) "

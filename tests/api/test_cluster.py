@@ -136,6 +136,38 @@ def test_an_unknown_router_header_is_a_400(cluster):
     assert response.status_code == 400 and "round-robin" in response.json()["error"]["message"]
 
 
+def test_bench_serve_compares_routers_on_the_cluster(cluster, tmp_path):
+    """`bench serve --multi-turn --routers`: one pass per router through the x-specdec-router header.
+    One conversation at a time, so round-robin sends every later turn to the other replica's cache."""
+    from specdec.api.cli import main
+    from specdec.testing import write_tiny_pair
+
+    target_dir, _ = write_tiny_pair(tmp_path / "pair")
+    lines = ["for i in range(10):", "print(i * i)", "The quick brown fox jumps over the lazy dog.",
+             "def quicksort(xs):", "Speculative decoding: a draft proposes, the target verifies."]
+    conversations = [{"id": f"c{i}", "conversations": [
+        item for t in range(3) for item in ({"from": "human", "value": f"{lines[(i + t) % 5]} {lines[(i + t + 2) % 5]}"},
+                                             {"from": "gpt", "value": " ".join(lines[:2])})]} for i in range(4)]
+    data = tmp_path / "sharegpt.json"
+    data.write_text(json.dumps(conversations))
+    out = tmp_path / "bench"
+    argv = ["bench", "serve", "--multi-turn", "--routers", "prefix", "round-robin", "one", "--base-url", cluster.url,
+            "--tokenizer", str(target_dir), "--dataset-path", str(data), "--limit", "4", "--max-turns", "3",
+            "--request-rates", "inf", "--max-concurrency", "1", "--output-len", "6", "--ignore-eos",
+            "--max-prompt-len", "300", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    (run,) = json.loads((out / "serve_multi_turn.json").read_text())["results"]["runs"]
+    passes = run["passes"]
+    assert list(passes) == ["router:prefix", "router:round-robin", "router:one"]
+    for p in passes.values():
+        assert p["failed"] == 0, p["errors"]
+    hit = {name: p["by_turn"]["later"]["prefix_hit_rate"] for name, p in passes.items()}
+    assert hit["router:prefix"] >= 0.9 * hit["router:one"] > 0
+    assert hit["router:prefix"] >= 1.5 * hit["router:round-robin"]
+    table = (out / "serve_multi_turn.md").read_text()
+    assert "prefix router" in table and "round-robin router" in table and "one replica" in table
+
+
 def stream_lines(cluster: Cluster, max_tokens: int, lines: list[str], done: threading.Event) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "the quick brown fox"}],
             "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
@@ -200,3 +232,4 @@ def test_a_replica_killed_mid_stream_ends_it_with_an_error_event(slow_cluster):
     started = time.monotonic()
     answer = cluster.chat([{"role": "user", "content": "next"}], max_tokens=2)
     assert answer["usage"]["completion_tokens"] == 2 and time.monotonic() - started < 60
+

@@ -302,3 +302,12 @@ def test_bench_chat_measures_turns_and_a_streams_gaps(server):
     assert "turn 2 TTFT" in markdown(result)
     with pytest.raises(ValueError, match="warmup-chunks"):
         ChatBenchOptions(warmup_chunks=1)
+
+
+def test_bench_serve_routers_need_multi_turn_and_known_names(tmp_path, tiny_dirs, sharegpt_multi_turn_file, capsys):
+    argv = ["bench", "serve", "--routers", "prefix", "--tokenizer", str(tiny_dirs[0]),
+            "--dataset-path", str(sharegpt_multi_turn_file), "--out", str(tmp_path), "--no-progress"]
+    assert main(argv) == 2
+    assert "--multi-turn" in capsys.readouterr().err
+    assert main(argv[:2] + ["--multi-turn"] + argv[2:3] + ["sticky"] + argv[4:]) == 2
+    assert "round-robin" in capsys.readouterr().err
