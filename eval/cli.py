@@ -120,6 +120,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "cache_salt per request); --limit counts conversations, --max-concurrency caps "
                         "conversations in flight")
     p.add_argument("--max-turns", type=int, default=3, help="turns per conversation with --multi-turn (>= 2)")
+    p.add_argument("--min-turns", type=int, default=2,
+                   help="with --multi-turn: only conversations that keep at least this many turns")
     p.add_argument("--routers", nargs="+", default=None, metavar="NAME",
                    help="with --multi-turn against `specdec serve --replicas N`: one pass per router "
                         "(prefix, round-robin, pow2, one), side by side, instead of with / without caching")
@@ -257,6 +259,7 @@ def run_serve(args: argparse.Namespace) -> int:
         temperature=args.temperature, ignore_eos=args.ignore_eos, slos=parse_slos(args.goodput),
         percentiles=args.percentiles, timeout=args.timeout, limit=args.limit, seed=args.seed,
         progress=args.progress, multi_turn=args.multi_turn, max_turns=args.max_turns, routers=args.routers,
+        min_turns=args.min_turns,
     )
     args.endpoint = opts.endpoint  # the recorded command names the endpoint actually used
     out = _out_dir(args, "bench-serve-multi-turn" if opts.multi_turn else "bench-serve")

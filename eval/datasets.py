@@ -226,6 +226,7 @@ def sample_sharegpt_conversations(
     max_turns: int = 3,
     max_total_len: int = 2048,
     path: Path | None = None,
+    min_turns: int = 2,
 ) -> list[Conversation]:
     """Multi-turn ShareGPT conversations for a chat benchmark, filtered in `sample_sharegpt`'s spirit.
 
@@ -235,11 +236,11 @@ def sample_sharegpt_conversations(
     at most `history_len` = every earlier human message and answer (answers count `output_len`,
     the most the server can write) plus this message; the conversation is cut before the first turn
     whose message or reply has under 4 tokens, whose `history_len` exceeds `max_prompt_len`, or whose
-    `history_len + output_len` exceeds `max_total_len`, and kept if two or more turns remain, until
-    `num_conversations` are kept. Token counts leave out the chat template's own tokens.
+    `history_len + output_len` exceeds `max_total_len`, and kept if `min_turns` (at least two) or more
+    turns remain, until `num_conversations` are kept. Token counts leave out the chat template's own tokens.
     """
-    if max_turns < 2:
-        raise ValueError(f"a multi-turn conversation needs max_turns >= 2, got {max_turns}")
+    if not 2 <= min_turns <= max_turns:
+        raise ValueError(f"a multi-turn conversation needs 2 <= min_turns <= max_turns, got {min_turns}, {max_turns}")
     dialogues = list(sharegpt_dialogues(path))
     random.Random(seed).shuffle(dialogues)
     kept: list[Conversation] = []
@@ -247,7 +248,7 @@ def sample_sharegpt_conversations(
         if num_conversations is not None and len(kept) >= num_conversations:
             break
         turns = _fitting_turns(tokenize, pairs[:max_turns], fixed_output_len, max_prompt_len, max_total_len)
-        if len(turns) >= 2:
+        if len(turns) >= min_turns:
             kept.append(Conversation(conv_id, tuple(turns)))
     return kept
 

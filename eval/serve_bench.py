@@ -61,6 +61,7 @@ class ServeBenchOptions:
     # --multi-turn against `specdec serve --replicas N`: one cached pass per router policy, each sent
     # with the `x-specdec-router` header, instead of the with / without caching pair
     routers: list[str] | None = None
+    min_turns: int = 2  # --multi-turn: keep only conversations with this many turns or more
 
     def __post_init__(self) -> None:
         if self.endpoint is None:
@@ -69,6 +70,8 @@ class ServeBenchOptions:
             raise ValueError(f"--multi-turn sends chat requests to {CHAT_ENDPOINT}; drop --endpoint {self.endpoint}")
         if self.max_turns < 2:
             raise ValueError(f"--max-turns must be at least 2 (a multi-turn conversation), got {self.max_turns}")
+        if not 2 <= self.min_turns <= self.max_turns:
+            raise ValueError(f"--min-turns must be in [2, --max-turns], got {self.min_turns}")
         if self.output_len is not None and self.output_len < 1:
             raise ValueError(f"--output-len must be positive, got {self.output_len}")
         if not self.request_rates or any(not r > 0 for r in self.request_rates):
@@ -516,7 +519,7 @@ def benchmark_multi_turn(opts: ServeBenchOptions) -> dict:
     count_tokens = lambda text: len(tokenize(text))  # noqa: E731
     conversations = sample_sharegpt_conversations(
         tokenize, opts.limit, opts.seed, opts.output_len, opts.max_prompt_len, opts.max_turns,
-        path=opts.dataset_path,
+        path=opts.dataset_path, min_turns=opts.min_turns,
     )
     if not conversations:
         raise ValueError("no ShareGPT conversation keeps two turns under the filters; raise --max-prompt-len "

@@ -17,6 +17,7 @@ import argparse
 import functools
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +179,13 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="prefix: the replica holding the longest cached prefix of the prompt (power of two "
                         "choices when queues are unbalanced); pow2; round-robin; one (everything to one "
                         "replica). A request may override it with the x-specdec-router header")
+    g.add_argument("--router-balance-abs", type=int, default=PrefixPolicyConfig.balance_abs, metavar="N",
+                   help="queues are unbalanced (power of two choices instead of the cache) when the longest "
+                        "exceeds the shortest by more than N requests ...")
+    g.add_argument("--router-balance-rel", type=float, default=PrefixPolicyConfig.balance_rel, metavar="X",
+                   help="... and by more than X times")
+    g.add_argument("--router-min-match", type=float, default=PrefixPolicyConfig.min_match, metavar="F",
+                   help="a cached prefix counts when it covers at least this fraction of the prompt's blocks")
     g.add_argument("--replica-cpus", type=float, default=None,
                    help="CPUs Ray reserves per replica (default: this machine's CPUs / N, at least 1)")
     g.add_argument("--route-timeout", type=float, default=120.0, metavar="S",
@@ -198,6 +206,7 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     options = ClusterOptions(
         replicas=args.replicas, router=args.router, replica_cpus=replica_cpus,
         route_timeout_s=args.route_timeout, stall_timeout_s=args.stall_timeout, warmup=args.warmup,
+        balance=PrefixPolicyConfig(args.router_balance_abs, args.router_balance_rel, args.router_min_match),
     )
     start_ray(args.ray_address, num_cpus=None if args.ray_address else max(cpus, int(replica_cpus * args.replicas)))
     logger.info("deploying %d engine replica(s) (%g CPU each, router: %s); /health is 200 once one is ready",
@@ -206,6 +215,7 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     deploy(functools.partial(build_engine, config), settings, options, args.host, args.port)
     logger.info("serving %r on http://%s:%d with %d replicas (ready in %.1fs; GET /cluster shows them)",
                 settings.model_name, args.host, args.port, options.replicas, time.perf_counter() - started)
+    signal.signal(signal.SIGTERM, _interrupt)  # docker stop, systemd: shut down as on Ctrl-C
     try:
         while True:
             time.sleep(3600)
@@ -213,7 +223,15 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
         logger.info("shutting down the replicas")
     finally:
         serve.shutdown()
+        if not args.ray_address:
+            import ray
+
+            ray.shutdown()
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def replica_actor_name(replica_id: str, app: str = APP_NAME) -> str:

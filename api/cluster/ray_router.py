@@ -21,9 +21,9 @@ from specdec.api.cluster.routing import PrefixPolicy, PrefixPolicyConfig, Routin
 
 
 class SpecdecRouter(FIFOMixin, RequestRouter):
-    def initialize_state(self, policy: str = "prefix", balance_abs: int = 8, balance_rel: float = 1.5,
-                         min_match: float = 0.0, **_: Any) -> None:
-        self._policy = PrefixPolicy(policy, PrefixPolicyConfig(balance_abs, balance_rel, min_match))
+    def initialize_state(self, policy: str = "prefix", **config: Any) -> None:
+        """`config`: `PrefixPolicyConfig`'s fields (balance_abs, balance_rel, min_match)."""
+        self._policy = PrefixPolicy(policy, PrefixPolicyConfig(**config))
         self._seen_reports: dict[str, Any] = {}
         self._routed: dict[str, str] = {}  # Ray's internal request id -> replica id
         ledger.LEDGER.policy = policy
@@ -64,7 +64,8 @@ class SpecdecRouter(FIFOMixin, RequestRouter):
             view = ledger.LEDGER.view(rid)
             view.in_flight += 1
             view.predict(hint.keys, self._policy.config.max_predicted)
-            ledger.LEDGER.decisions[hint.reason or "least_loaded"] += 1
+            if hint.reason is not None and _is_generation(pending_request):  # not `describe` calls
+                ledger.LEDGER.decisions[hint.reason] += 1
         self._routed[pending_request.metadata.internal_request_id] = rid
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
@@ -88,6 +89,10 @@ class SpecdecRouter(FIFOMixin, RequestRouter):
             for rid in alive:  # /cluster lists every running replica, routed to yet or not
                 ledger.LEDGER.view(rid)
         ledger.LEDGER.forget(gone)
+
+
+def _is_generation(pending_request: PendingRequest | None) -> bool:
+    return pending_request is not None and isinstance(pending_request.kwargs.get("routing"), RoutingHint)
 
 
 def _hint(pending_request: PendingRequest | None) -> RoutingHint:

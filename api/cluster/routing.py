@@ -15,8 +15,10 @@ not a guess from characters. Each replica's `ReplicaView` knows
    more than `balance_rel` times — power of two choices by queue length (`imbalanced`);
 2. otherwise the replica whose cache holds the longest prefix of the prompt, shortest queue first
    among equals (`prefix_hit`), when that prefix covers at least `min_match` of the prompt's
-   blocks;
-3. otherwise the shortest queue, the replica holding the fewest blocks among equals (`least_loaded`).
+   blocks (half, as SGLang's `cache_threshold`: a system prompt every conversation starts with is
+   not a reason to send them all to one replica);
+3. otherwise the shortest queue; among equals the longer prefix, then the fewest blocks held
+   (`least_loaded`).
 
 The other policies, for comparison: `pow2` (two random replicas, shorter queue first),
 `round-robin`, and `one` (every request to the same replica, as if there were only one). A retry
@@ -54,7 +56,7 @@ class PrefixPolicyConfig:
 
     balance_abs: int = 8
     balance_rel: float = 1.5
-    min_match: float = 0.0
+    min_match: float = 0.5  # SGLang's cache_threshold: a shared system prompt alone is not a hit
     predict_ttl_s: float = 60.0
     max_predicted: int = 200_000  # keys remembered per replica before the oldest are dropped
 
@@ -163,8 +165,9 @@ class PrefixPolicy:
         if best > 0 and best >= cfg.min_match * len(keys):
             ranked = sorted(candidates, key=lambda r: (-matched[r.replica_id], r.in_flight))
             return Decision([r.replica_id for r in ranked], "prefix_hit", best)
-        ranked = sorted(candidates, key=lambda r: (r.in_flight, r.num_blocks, self._rng.random()))
-        return Decision([r.replica_id for r in ranked], "least_loaded")
+        ranked = sorted(candidates, key=lambda r: (r.in_flight, -matched[r.replica_id], r.num_blocks,
+                                                   self._rng.random()))
+        return Decision([r.replica_id for r in ranked], "least_loaded", matched[ranked[0].replica_id])
 
 
 def check_policy(policy: str) -> None:

@@ -46,8 +46,8 @@ def test_a_prefix_is_matched_from_the_first_block_only():
     a, b = views("a", "b")
     a.report(keys([9] + list(range(1, 24))))  # differs in the first token
     b.report(keys(list(range(8))))
-    decision = PrefixPolicy("prefix").choose([a, b], RoutingHint(keys(list(range(24)))))
-    assert decision.ranked[0] == "b" and decision.matched_blocks == 2
+    decision = PrefixPolicy("prefix", PrefixPolicyConfig(min_match=0.0)).choose([a, b], RoutingHint(keys(list(range(24)))))
+    assert decision.ranked[0] == "b" and decision.reason == "prefix_hit" and decision.matched_blocks == 2
 
 
 def test_salts_separate_prefixes():
@@ -94,6 +94,20 @@ def test_min_match_demands_enough_of_the_prompt():
     assert policy.choose([a, b], RoutingHint(prompt)).reason == "least_loaded"
     a.report(prompt[:5])
     assert policy.choose([a, b], RoutingHint(prompt)).reason == "prefix_hit"
+
+
+def test_a_shared_system_prompt_alone_does_not_pull_new_conversations_to_one_replica():
+    """Every conversation starts with the same template blocks; the replica that served the first
+    must not get them all (half the prompt's blocks make a hit, as SGLang's cache_threshold)."""
+    a, b = views("a", "b")
+    system = list(range(8))  # 2 blocks every prompt starts with
+    a.report(keys(system + [50] * 12))
+    a.in_flight = 1
+    new_conversation = keys(system + [60] * 12)  # 5 blocks, 2 of them held by a
+    decision = PrefixPolicy().choose([a, b], RoutingHint(new_conversation))
+    assert decision.reason == "least_loaded" and decision.ranked[0] == "b"
+    a.in_flight = 0  # equally idle: the longer prefix breaks the tie
+    assert PrefixPolicy().choose([a, b], RoutingHint(new_conversation)).ranked[0] == "a"
 
 
 def test_predicted_blocks_count_until_they_expire_or_a_report_confirms_them():
