@@ -44,6 +44,7 @@ class ClusterOptions:
     stats_period_s: float = 1.0  # how often each replica reports its cached blocks to the router
     warmup: bool = False
     step_delay_s: float = 0.0  # slow every engine step (fault tests)
+    log_level: str = "INFO"  # the replicas' and the ingress's (Ray Serve logging); replicas log no access lines
     balance: PrefixPolicyConfig | None = None
 
     def __post_init__(self) -> None:
@@ -117,6 +118,7 @@ def build_app(engine_factory: Any, settings: Any, options: ClusterOptions) -> An
         health_check_period_s=options.health_check_period_s,
         health_check_timeout_s=max(30.0, options.health_check_period_s * 5),
         graceful_shutdown_timeout_s=5.0,
+        logging_config={"log_level": options.log_level, "enable_access_log": False},
         ray_actor_options={
             "num_cpus": options.replica_cpus,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
@@ -132,6 +134,7 @@ def build_app(engine_factory: Any, settings: Any, options: ClusterOptions) -> An
     ingress = serve.deployment(
         serve.ingress()(Ingress), name="Ingress", num_replicas=1,
         max_ongoing_requests=max(16, 2 * settings.max_concurrent), ray_actor_options={"num_cpus": 0},
+        logging_config={"log_level": options.log_level},
     )
     replica = engine.bind(engine_factory, warmup=options.warmup, stall_timeout_s=options.stall_timeout_s,
                           step_delay_s=options.step_delay_s)
@@ -201,18 +204,28 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     except ImportError:
         logger.error("--replicas needs Ray Serve: pip install -e '.[cluster]' (or pip install 'ray[serve]')")
         return 2
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replica_cpus is not None and args.replica_cpus <= 0:
+        raise ValueError(f"--replica-cpus must be positive, got {args.replica_cpus}")
     cpus = os.cpu_count() or 1
     replica_cpus = args.replica_cpus or max(1.0, cpus // args.replicas)
     options = ClusterOptions(
         replicas=args.replicas, router=args.router, replica_cpus=replica_cpus,
         route_timeout_s=args.route_timeout, stall_timeout_s=args.stall_timeout, warmup=args.warmup,
         balance=PrefixPolicyConfig(args.router_balance_abs, args.router_balance_rel, args.router_min_match),
+        log_level=args.log_level.upper(),
     )
     start_ray(args.ray_address, num_cpus=None if args.ray_address else max(cpus, int(replica_cpus * args.replicas)))
     logger.info("deploying %d engine replica(s) (%g CPU each, router: %s); /health is 200 once one is ready",
                 options.replicas, replica_cpus, options.router)
     started = time.perf_counter()
-    deploy(functools.partial(build_engine, config), settings, options, args.host, args.port)
+    try:
+        deploy(functools.partial(build_engine, config), settings, options, args.host, args.port)
+    except Exception as exc:  # noqa: BLE001 - e.g. the replicas cannot load the models
+        logger.error("deploying the replicas failed: %s", _replica_error() or _last_line(exc))
+        serve.shutdown()
+        return 1
     logger.info("serving %r on http://%s:%d with %d replicas (ready in %.1fs; GET /cluster shows them)",
                 settings.model_name, args.host, args.port, options.replicas, time.perf_counter() - started)
     signal.signal(signal.SIGTERM, _interrupt)  # docker stop, systemd: shut down as on Ctrl-C
@@ -228,6 +241,22 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
 
             ray.shutdown()
     return 0
+
+
+def _last_line(exc: BaseException | str) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else repr(exc)
+
+
+def _replica_error() -> str | None:
+    """Why the engine replicas failed to start, from Ray Serve's status (their last error line)."""
+    from ray import serve
+
+    try:
+        deployment = serve.status().applications[APP_NAME].deployments["EngineReplica"]
+    except Exception:  # noqa: BLE001 - no status: fall back to the exception
+        return None
+    return _last_line(deployment.message) if deployment.message else None
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -29,7 +29,7 @@ from specdec.api.cluster.ledger import LEDGER, RoutingLedger
 from specdec.api.cluster.replica import Accepted
 from specdec.api.cluster.routing import RoutingHint
 from specdec.api.engine_loop import (
-    EngineDeadError, EngineInfo, EngineSnapshot, GenerationRequest, RequestFailedError, RequestStream,
+    EngineDeadError, EngineInfo, EngineSnapshot, GenerationRequest, RequestFailedError, RequestStream, _thread_copy,
 )
 from specdec.cache.block_pool import prefix_block_keys
 from specdec.sequence import StepDelta
@@ -77,7 +77,7 @@ class ReplicaEngine:
 
     @property
     def snapshot(self) -> EngineSnapshot:
-        """The replicas' latest reports, summed (acceptance: the busiest replica's)."""
+        """The replicas' latest reports, summed (acceptance: the counters summed, the rates recomputed)."""
         with self.ledger.lock:
             reports = [v.stats for v in self.ledger.views.values() if v.stats]
         kv: dict[str, dict[str, int]] = {}
@@ -85,8 +85,7 @@ class ReplicaEngine:
         for report in reports:
             _add_nested(kv, report.get("kv_usage", {}))
             _add_nested(prefix, report.get("prefix_cache", {}))
-        acceptance = max((r.get("acceptance", {}) for r in reports),
-                         key=lambda a: a.get("num_draft_tokens", 0), default={})
+        acceptance = _merged_acceptance([r.get("acceptance") or {} for r in reports])
         return EngineSnapshot(
             kv_usage=kv, prefix_cache=prefix, num_waiting=sum(r.get("num_waiting", 0) for r in reports),
             num_running=sum(r.get("num_running", 0) for r in reports), acceptance=acceptance,
@@ -130,11 +129,11 @@ class ReplicaEngine:
             except Exception as exc:  # noqa: BLE001 - replicas still starting: try again
                 logger.warning("waiting for an engine replica: %s", exc)
                 await asyncio.sleep(1.0)
-        tokenizer = facts.tokenizer
+        tokenizer = facts.tokenizer  # the grammar compiler's (it may build its token table off the loop)
         grammars = GrammarCompiler(tokenizer, facts.vocab_size, facts.eos_token_ids) if tokenizer is not None else None
         self.info = EngineInfo(
             max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, tokenizer=tokenizer,
-            api_tokenizer=tokenizer, speculative=facts.speculative,
+            api_tokenizer=_thread_copy(tokenizer), speculative=facts.speculative,
             num_speculative_tokens=facts.num_speculative_tokens, grammars=grammars,
             block_size=facts.block_size, eos_token_ids=facts.eos_token_ids,
         )
@@ -261,6 +260,19 @@ async def _with_first(first: list, rest: Any) -> Any:
     yield first
     async for batch in rest:
         yield batch
+
+
+def _merged_acceptance(reports: list[dict]) -> dict:
+    """The replicas' acceptance counters summed (`AcceptanceStats.as_dict` shape), rates recomputed."""
+    from specdec.verify.stats import AcceptanceStats
+
+    total = AcceptanceStats()
+    for report in reports:
+        if report:
+            total.merge(AcceptanceStats(
+                report.get("num_drafts", 0), report.get("num_draft_tokens", 0), report.get("num_accepted_tokens", 0),
+                list(report.get("accepted_per_position", [])), report.get("num_emitted_tokens", 0)))
+    return total.as_dict()
 
 
 def _add_nested(total: dict[str, dict[str, int]], part: dict[str, dict[str, int]]) -> None:

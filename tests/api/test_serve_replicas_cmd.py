@@ -1,0 +1,71 @@
+"""`specdec serve --replicas N` as a user runs it: a subprocess that starts a local Ray, deploys tiny
+replicas from disk, serves, and stops on SIGTERM; bad flags and models fail clearly."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import pytest
+
+from specdec.api.cli import build_parser, main
+from specdec.testing import write_tiny_pair
+
+from .test_serve_cmd import _serve
+
+pytest.importorskip("ray.serve", reason="the replica tests need Ray Serve: pip install -e '.[cluster]'")
+
+
+def test_replica_flags_parse_and_bad_ones_are_refused(capsys):
+    args = build_parser().parse_args(["serve", "--replicas", "3", "--router", "round-robin", "--ray-address", "auto",
+                                      "--router-min-match", "0.25", "--route-timeout", "30"])
+    assert (args.replicas, args.router, args.ray_address, args.router_min_match, args.route_timeout) == (
+        3, "round-robin", "auto", 0.25, 30.0)
+    assert build_parser().parse_args(["serve"]).replicas is None  # one engine in this process, no Ray
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "--replicas must be at least 1" in capsys.readouterr().err
+    assert main(["serve", "--replicas", "2", "--route-timeout", "0"]) == 2
+    assert "--route-timeout" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serve_replicas_end_to_end(tmp_path):
+    target, draft = write_tiny_pair(tmp_path)
+    proc, url = _serve("--replicas", "2", "--target", str(target), "--draft", str(draft), "--dtype", "float32",
+                       "--no-warmup", "--served-model-name", "tiny")
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "never healthy"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        assert len(httpx.get(url + "/cluster").json()["replicas"]) == 2
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, output
+        with pytest.raises(httpx.HTTPError):  # Ray Serve's proxy went with it
+            httpx.get(url + "/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_serve_replicas_exits_1_naming_why_the_replicas_cannot_load(tmp_path):
+    proc, _ = _serve("--replicas", "2", "--target", str(tmp_path / "missing"), "--no-speculation")
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, output
+    assert "deploying the replicas failed" in output and "missing" in output.split("deploying the replicas failed")[1]
