@@ -11,6 +11,7 @@ from specdec.api.cluster.client import ReplicaEngine
 from specdec.api.cluster.ledger import RoutingLedger
 from specdec.api.cluster.replica import Accepted, ReplicaFacts
 from specdec.api.engine_loop import EngineDeadError, GenerationRequest, RequestFailedError
+from specdec.cache.block_pool import prefix_block_keys
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import StepDelta
 
@@ -186,3 +187,63 @@ def test_not_ready_is_refused_at_once():
     engine = ReplicaEngine(FakeHandle(), ledger=RoutingLedger())
     with pytest.raises(EngineDeadError, match="ready"):
         engine.submit_all([request()])
+
+
+class StallingEngine:
+    def __init__(self, error=None, step_seconds=0.0) -> None:
+        self.error, self._step = error, step_seconds
+
+    def step_seconds(self) -> float:
+        return self._step
+
+    def shutdown(self, timeout: float = 1.0) -> None:
+        pass
+
+
+def bare_replica(engine, stall_timeout_s: float = 300.0):
+    """An EngineReplica without Ray (its constructor is Ray Serve's async one)."""
+    from specdec.api.cluster.replica import EngineReplica
+
+    replica = object.__new__(EngineReplica)
+    replica.engine, replica.stall_timeout_s, replica.replica_id, replica._reports = engine, stall_timeout_s, "x", 0
+    return replica
+
+
+def test_the_health_check_fails_on_a_dead_loop_or_a_stalled_step():
+    bare_replica(StallingEngine(step_seconds=5.0), stall_timeout_s=10.0).check_health()
+    with pytest.raises(RuntimeError, match="has run for 12s"):
+        bare_replica(StallingEngine(step_seconds=12.0), stall_timeout_s=10.0).check_health()
+    with pytest.raises(RuntimeError, match="died"):
+        bare_replica(StallingEngine(error="boom")).check_health()
+
+
+def test_a_replica_streams_accepted_then_deltas_and_frees_blocks_when_cancelled():
+    from specdec.api.engine_loop import AsyncEngine
+    from specdec.testing import tiny_serving_engine
+
+    async def go():
+        engine = AsyncEngine(tiny_serving_engine())
+        engine.publish_keys = True
+        engine.start()
+        await asyncio.to_thread(engine.ready.wait)
+        replica = bare_replica(engine)
+        prompt = list(range(3, 40))
+        full = [item async for batch in replica.generate(
+            [GenerationRequest("a", prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))])
+            for item in batch]
+        assert full[0] == Accepted("x") and sum(len(d.token_ids) for d in full[1:]) == 5 and full[-1].finished
+        stats = replica.record_routing_stats()
+        assert stats["replica_id"] == "x" and set(prefix_block_keys(prompt, 8)) <= set(stats["keys"])
+        # a stream dropped mid-way (the client left): its blocks come back
+        long = replica.generate([GenerationRequest("b", prompt, SamplingParams(max_tokens=200, ignore_eos=True))])
+        assert isinstance((await long.__anext__())[0], Accepted)
+        await long.__anext__()
+        await long.aclose()
+        for _ in range(50):  # far less than 200 tokens take
+            if engine.snapshot.kv_usage["target"]["used"] == 0 and engine.snapshot.num_running == 0:
+                break
+            await asyncio.sleep(0.002)
+        assert engine.snapshot.kv_usage["target"]["used"] == 0
+        engine.shutdown()
+
+    run(go())
