@@ -69,3 +69,12 @@ def test_serve_replicas_exits_1_naming_why_the_replicas_cannot_load(tmp_path):
             proc.kill()
     assert proc.returncode == 1, output
     assert "deploying the replicas failed" in output and "missing" in output.split("deploying the replicas failed")[1]
+
+
+def test_without_replicas_ray_is_not_imported():
+    import subprocess
+    import sys
+
+    code = ("import sys; from specdec.api.cli import build_parser; from specdec.api import serve_cmd; "
+            "build_parser().parse_args(['serve', '--port', '1']); assert 'ray' not in sys.modules, 'ray imported'")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
