@@ -219,17 +219,16 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     start_ray(args.ray_address, num_cpus=None if args.ray_address else max(cpus, int(replica_cpus * args.replicas)))
     logger.info("deploying %d engine replica(s) (%g CPU each, router: %s); /health is 200 once one is ready",
                 options.replicas, replica_cpus, options.router)
+    signal.signal(signal.SIGTERM, _interrupt)  # docker stop, systemd: shut down as on Ctrl-C, even mid-deploy
     started = time.perf_counter()
     try:
-        deploy(functools.partial(build_engine, config), settings, options, args.host, args.port)
-    except Exception as exc:  # noqa: BLE001 - e.g. the replicas cannot load the models
-        logger.error("deploying the replicas failed: %s", _replica_error() or _last_line(exc))
-        serve.shutdown()
-        return 1
-    logger.info("serving %r on http://%s:%d with %d replicas (ready in %.1fs; GET /cluster shows them)",
-                settings.model_name, args.host, args.port, options.replicas, time.perf_counter() - started)
-    signal.signal(signal.SIGTERM, _interrupt)  # docker stop, systemd: shut down as on Ctrl-C
-    try:
+        try:
+            deploy(functools.partial(build_engine, config), settings, options, args.host, args.port)
+        except Exception as exc:  # noqa: BLE001 - e.g. the replicas cannot load the models
+            logger.error("deploying the replicas failed: %s", _replica_error() or _last_line(exc))
+            return 1
+        logger.info("serving %r on http://%s:%d with %d replicas (ready in %.1fs; GET /cluster shows them)",
+                    settings.model_name, args.host, args.port, options.replicas, time.perf_counter() - started)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

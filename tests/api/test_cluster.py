@@ -233,3 +233,26 @@ def test_a_replica_killed_mid_stream_ends_it_with_an_error_event(slow_cluster):
     answer = cluster.chat([{"role": "user", "content": "next"}], max_tokens=2)
     assert answer["usage"]["completion_tokens"] == 2 and time.monotonic() - started < 60
 
+
+
+def test_a_client_leaving_mid_stream_frees_the_replicas_blocks(slow_cluster):
+    """The disconnect crosses Ray: the ingress cancels the replica's stream, the replica aborts the
+    request, and its KV blocks are free again (as the replicas report them to /metrics)."""
+    cluster = slow_cluster
+    assert wait_until(lambda: len(cluster.status()["replicas"]) == 2, timeout=60, interval=0.2)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "the quick brown fox " * 8}],
+            "max_tokens": 60, "stream": True, "ignore_eos": True}
+
+    def used_blocks() -> int:
+        for line in cluster.get("/metrics").text.splitlines():
+            if line.startswith('specdec_kv_blocks{pool="target",state="used"}'):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return -1
+
+    with httpx.Client(base_url=cluster.url, timeout=60, trust_env=False) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and content_chunks([line]):
+                    break  # one token in: leave (60 tokens would take a minute)
+    assert wait_until(lambda: used_blocks() == 0 and cluster.replica_of() is None, timeout=15, interval=0.2), (
+        used_blocks(), cluster.status())

@@ -78,3 +78,24 @@ def test_without_replicas_ray_is_not_imported():
     code = ("import sys; from specdec.api.cli import build_parser; from specdec.api import serve_cmd; "
             "build_parser().parse_args(['serve', '--port', '1']); assert 'ray' not in sys.modules, 'ray imported'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_sigterm_while_the_replicas_deploy_shuts_down_cleanly(tmp_path):
+    target, draft = write_tiny_pair(tmp_path)
+    proc, url = _serve("--replicas", "2", "--target", str(target), "--draft", str(draft), "--dtype", "float32")
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # Ray Serve's proxy answers (404 / 503) before the app is up
+            assert proc.poll() is None and time.monotonic() < deadline
+            try:
+                httpx.get(url + "/health", timeout=2)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
