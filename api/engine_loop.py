@@ -329,7 +329,7 @@ class AsyncEngine:
             num_running=len(scheduler.running),
             acceptance=engine.stats.as_dict(),
             drafted_per_position=tuple(self._drafted_per_position),
-            cached_keys=tuple(engine.cached_block_keys()) if self.publish_keys else (),
+            cached_keys=engine.cached_block_keys() if self.publish_keys else (),
         )
 
     def _die(self, message: str) -> None:

@@ -111,9 +111,9 @@ class BlockPool:
     def num_used(self) -> int:
         return self._num_blocks - self.num_free
 
-    def cached_keys(self) -> list[BlockKey]:
+    def cached_keys(self) -> tuple[BlockKey, ...]:
         """The keys of every cached block, held or not (what a prefix lookup would find)."""
-        return list(self._cached)
+        return tuple(self._cached)
 
     def ref_count(self, block_id: int) -> int:
         """How many holders share ``block_id`` (0 when it is free)."""

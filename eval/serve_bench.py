@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec.api.cluster.routing import POLICIES, ROUTER_HEADER
 from specdec.eval import metrics, report
 from specdec.eval.datasets import Conversation, SampledRequest, sample_sharegpt, sample_sharegpt_conversations
 from specdec.eval.metrics import RequestTrace
@@ -85,9 +86,9 @@ class ServeBenchOptions:
         if self.routers is not None:
             if not self.multi_turn:
                 raise ValueError("--routers compares routers on multi-turn chat: add --multi-turn")
-            unknown = [r for r in self.routers if r not in ROUTERS]
+            unknown = [r for r in self.routers if r not in POLICIES]
             if unknown or not self.routers or len(set(self.routers)) != len(self.routers):
-                raise ValueError(f"--routers takes distinct names among {', '.join(ROUTERS)}, got {self.routers}")
+                raise ValueError(f"--routers takes distinct names among {', '.join(POLICIES)}, got {self.routers}")
 
     @property
     def passes(self) -> tuple[str, ...]:
@@ -331,9 +332,7 @@ def write_report(out: Path, meta: dict, opts: ServeBenchOptions, result: dict) -
 PASSES = ("cache", "no-cache")  # run in this order at every rate; "no-cache" salts every request
 PASS_LABELS = {"cache": "with caching", "no-cache": "without caching"}
 # With --routers: one cached pass per router policy of `specdec serve --replicas` (specdec.api.cluster)
-ROUTERS = ("prefix", "round-robin", "pow2", "one")
 ROUTER_PASS = "router:"
-ROUTER_HEADER = "x-specdec-router"
 
 
 def pass_label(name: str) -> str:
@@ -633,27 +632,24 @@ def write_multi_turn_report(out: Path, meta: dict, opts: ServeBenchOptions, resu
     num_turns = sum(len(c["turns"]) for c in conversations)
     files = [report.write_json(out / "serve_multi_turn.json", payload_)]
     if opts.routers is not None:
-        files.append(report.write_markdown(out / "serve_multi_turn.md", "Multi-turn serving benchmark", meta, [
-            ("Routers side by side", router_table(result) + (
-                f"\n\n{len(conversations)} ShareGPT conversations ({num_turns} turns, at most {opts.max_turns} "
-                f"each) against {opts.base_url}{opts.endpoint} (model {result['model']}), once per router, each "
-                f"pass with its own cache salt (so none reuses another's blocks) and the {ROUTER_HEADER} header "
-                "naming the router; 'one replica' sends every request to the same replica, as one server "
-                "would. Conversations start at Poisson arrivals of the given rate; their turns go one after "
-                "another. Hit rate = cached / prompt tokens (from the usage chunk).")),
-            ("Throughput", multi_turn_throughput_table(result)),
-        ]))
-        files.append(plot_multi_turn(result, out / "serve_multi_turn.png"))
-        return files
+        section = "Routers side by side"
+        method = (
+            ", once per router, each pass with its own cache salt (so none reuses another's blocks) and the "
+            f"{ROUTER_HEADER} header naming the router; 'one replica' sends every request to the same replica, "
+            "as one server would. Conversations start at Poisson arrivals of the given rate; their turns go one "
+            "after another. Hit rate = cached / prompt tokens (from the usage chunk).")
+    else:
+        section = "With and without prefix caching"
+        method = (
+            "; conversations start at Poisson arrivals of the given rate, their turns go one after another, "
+            "each resending the history with the streamed answers. 'Without caching' sends a fresh random "
+            "cache_salt on every request; 'with caching' sends one salt shared by all its requests (a fresh one "
+            "per pass, so it reuses nothing an earlier pass left) and runs first. Hit rate = cached / prompt "
+            "tokens (from the usage chunk).")
     files.append(report.write_markdown(out / "serve_multi_turn.md", "Multi-turn serving benchmark", meta, [
-        ("With and without prefix caching", multi_turn_table(result) + (
+        (section, multi_turn_table(result) + (
             f"\n\n{len(conversations)} ShareGPT conversations ({num_turns} turns, at most {opts.max_turns} each) "
-            f"against {opts.base_url}{opts.endpoint} (model {result['model']}); conversations start at "
-            "Poisson arrivals of the given rate, their turns go one after another, each resending the "
-            "history with the streamed answers. 'Without caching' sends a fresh random cache_salt on "
-            "every request; 'with caching' sends one salt shared by all its requests (a fresh one per pass, "
-            "so it reuses nothing an earlier pass left) and runs first. Hit rate = cached / prompt "
-            "tokens (from the usage chunk).")),
+            f"against {opts.base_url}{opts.endpoint} (model {result['model']})" + method)),
         ("Throughput", multi_turn_throughput_table(result)),
     ]))
     files.append(plot_multi_turn(result, out / "serve_multi_turn.png"))

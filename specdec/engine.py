@@ -424,7 +424,7 @@ class Engine:
         """Tokens per KV block of the target's pool (the unit of its prefix cache)."""
         return self.target.block_size
 
-    def cached_block_keys(self) -> list[bytes]:
+    def cached_block_keys(self) -> tuple[bytes, ...]:
         """The keys of every block the target's prefix cache holds (`cache.block_pool.block_key`):
         what a router matches a request's prompt against."""
         return self.target.pool.cached_keys()

@@ -157,6 +157,21 @@ def noisy_twin(model: torch.nn.Module, sigma: float = 0.006, seed: int = 0) -> t
     return twin
 
 
+def pace_steps(engine, seconds: float):
+    """`engine` with every `step()` delayed by `seconds` (a tiny engine otherwise finishes before a
+    test can act mid-request: disconnect, kill a replica); returns it."""
+    import time
+
+    step = engine.step
+
+    def paced_step():
+        time.sleep(seconds)
+        return step()
+
+    engine.step = paced_step
+    return engine
+
+
 def tiny_serving_engine(seed: int = 0, **overrides):
     """A fresh Engine over the tiny pair (a draft that agrees about half the time), as the server
     tests build it; importable by name, so a Ray replica can build one (`functools.partial`)."""

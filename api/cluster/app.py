@@ -22,12 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from specdec.api.cluster.routing import POLICIES, PrefixPolicyConfig, check_policy
+from specdec.api.cluster.routing import POLICIES, ROUTER_HEADER, PrefixPolicyConfig, check_policy
 
 logger = logging.getLogger("specdec.api")
 
 APP_NAME = "specdec"
-ROUTER_HEADER = "x-specdec-router"
 
 
 @dataclass
@@ -150,7 +149,8 @@ def build_engine(config: Any) -> Any:
 
 def start_ray(address: str | None, num_cpus: int | None = None, object_store_bytes: int = 256 << 20,
               log_to_driver: bool = True) -> None:
-    """Join the cluster at `address`, or start a local Ray: no dashboard, a bounded object store."""
+    """Join the cluster at `address`, or start a local Ray of `num_cpus`: no dashboard, a bounded
+    object store."""
     import ray
 
     if ray.is_initialized():
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
         balance=PrefixPolicyConfig(args.router_balance_abs, args.router_balance_rel, args.router_min_match),
         log_level=args.log_level.upper(),
     )
-    start_ray(args.ray_address, num_cpus=None if args.ray_address else max(cpus, int(replica_cpus * args.replicas)))
+    start_ray(args.ray_address, num_cpus=max(cpus, int(replica_cpus * args.replicas)))
     logger.info("deploying %d engine replica(s) (%g CPU each, router: %s); /health is 200 once one is ready",
                 options.replicas, replica_cpus, options.router)
     signal.signal(signal.SIGTERM, _interrupt)  # docker stop, systemd: shut down as on Ctrl-C, even mid-deploy

@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from specdec.api.cluster.ledger import LEDGER, RoutingLedger
 from specdec.api.cluster.replica import Accepted
-from specdec.api.cluster.routing import RoutingHint
+from specdec.api.cluster.routing import PrefixPolicyConfig, RoutingHint
 from specdec.api.engine_loop import (
     EngineDeadError, EngineInfo, EngineSnapshot, GenerationRequest, RequestFailedError, RequestStream, _thread_copy,
 )
@@ -225,7 +225,7 @@ class ReplicaEngine:
         self.ledger.answered(replica, len(request.prompt_ids), delta.num_cached_tokens if delta else 0)
         tokens = request.prompt_ids + answer[:-1]
         self.ledger.predict(replica, prefix_block_keys(tokens, self.info.block_size, request.cache_salt),
-                            limit=200_000)
+                            limit=PrefixPolicyConfig.max_predicted)
 
     def cluster_status(self) -> dict[str, Any]:
         return self.ledger.status()

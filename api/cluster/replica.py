@@ -106,7 +106,7 @@ class EngineReplica:
         self._reports += 1
         return {
             "replica_id": self.replica_id, "report": self._reports, "time": time.time(),
-            "keys": list(snap.cached_keys), "kv_usage": snap.kv_usage, "prefix_cache": snap.prefix_cache,
+            "keys": snap.cached_keys, "kv_usage": snap.kv_usage, "prefix_cache": snap.prefix_cache,
             "num_waiting": snap.num_waiting, "num_running": snap.num_running, "acceptance": snap.acceptance,
         }
 
@@ -135,15 +135,6 @@ def _replica_id() -> str:
 
 
 def _paced(factory: Callable[[], Any], delay_s: float) -> Callable[[], Any]:
-    def build() -> Any:
-        engine = factory()
-        step = engine.step
+    from specdec.testing import pace_steps
 
-        def slow_step():
-            time.sleep(delay_s)
-            return step()
-
-        engine.step = slow_step
-        return engine
-
-    return build
+    return lambda: pace_steps(factory(), delay_s)

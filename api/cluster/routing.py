@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 POLICIES = ("prefix", "pow2", "round-robin", "one")
+ROUTER_HEADER = "x-specdec-router"  # a request's own policy (benchmarks compare policies on one cluster)
 REASONS = ("prefix_hit", "least_loaded", "imbalanced", "pow2", "round_robin", "one")
 
 

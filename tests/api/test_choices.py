@@ -4,12 +4,13 @@ seed, all aborted when the client leaves) and `echo` for completions."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import httpx
 import openai
 import pytest
+
+from specdec.testing import pace_steps
 
 from .conftest import MODEL, chat_body, kv_used, metric, wait_until
 from .test_sse import sse_events
@@ -80,8 +81,7 @@ def test_disconnect_aborts_every_choice(serve, make_engine):
     # Each step paced (5 ms): the tiny engine could otherwise finish all 3 x 400 tokens before a
     # client starved of CPU reads its first line, and the slots would be free already.
     engine = make_engine()
-    step = engine.step
-    engine.step = lambda: (time.sleep(0.005), step())[1]
+    pace_steps(engine, 0.005)
     body = chat_body("a long story", n=3, max_tokens=400, ignore_eos=True, stream=True)
     with serve(engine) as server:
         with httpx.stream("POST", server.url + CHAT, json=body, timeout=30) as response:

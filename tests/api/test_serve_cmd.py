@@ -31,6 +31,16 @@ def _serve(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _finish(proc: subprocess.Popen, timeout: float) -> str:
+    """The process's output once it exits; killed if it outlives `timeout` (the test then fails)."""
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return output
+
+
 def test_parser_has_serve_with_engine_flags():
     args = build_parser().parse_args(["serve", "--api-key", "k", "--max-concurrent", "3", "-k", "2",
                                       "--target", "/m/t", "--draft", "/m/d"])
@@ -75,10 +85,6 @@ def test_serve_tiny_pair_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_serve_exits_1_when_the_model_cannot_load(tmp_path):
     proc, _ = _serve("--target", str(tmp_path / "missing"), "--no-speculation")
-    try:
-        output, _ = proc.communicate(timeout=90)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    output = _finish(proc, 90)
     assert proc.returncode == 1, output
     assert "missing" in output

@@ -12,7 +12,7 @@ import pytest
 from specdec.api.cli import build_parser, main
 from specdec.testing import write_tiny_pair
 
-from .test_serve_cmd import _serve
+from .test_serve_cmd import _finish, _serve
 
 pytest.importorskip("ray.serve", reason="the replica tests need Ray Serve: pip install -e '.[cluster]'")
 
@@ -62,11 +62,7 @@ def test_serve_replicas_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_serve_replicas_exits_1_naming_why_the_replicas_cannot_load(tmp_path):
     proc, _ = _serve("--replicas", "2", "--target", str(tmp_path / "missing"), "--no-speculation")
-    try:
-        output, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    output = _finish(proc, 180)
     assert proc.returncode == 1, output
     assert "deploying the replicas failed" in output and "missing" in output.split("deploying the replicas failed")[1]
 
