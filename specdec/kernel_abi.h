@@ -85,4 +85,8 @@ int int4_quantize_rows(const float *w, int64_t n, int64_t k, int64_t group, int3
 int64_t specdec_abi_version(void);
 const struct specdec_abi_entry *specdec_abi_layout(int64_t *count);
 
+/* eval/roofline.c: the memory read bandwidth (bytes/s) and the int8 multiply-add peak (per s) */
+int roofline_read_bandwidth(int64_t bytes, int threads, int repeats, double *out);
+int roofline_int8_peak(int64_t rounds, int threads, double *out);
+
 #endif

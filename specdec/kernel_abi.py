@@ -122,7 +122,10 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
                             _F, _P, _P, _P, _I]),
     # w, n, k, group, q, scales_and_zeros, sz_rows, with_error, err_sq, threads
     "int4_quantize_rows": (_I, [_P, _I64, _I64, _I64, _P, _P, _I64, _I, _P, _I]),
-    # x, m, k, w, w_scale, n, y, zero_point, threads
+    # bytes, threads, repeats, out (bytes/s)
+    "roofline_read_bandwidth": (_I, [_I64, _I, _I, ctypes.POINTER(ctypes.c_double)]),
+    # rounds, threads, out (multiply-adds/s)
+    "roofline_int8_peak": (_I, [_I64, _I, ctypes.POINTER(ctypes.c_double)]),
     "specdec_abi_version": (_I64, []),
     "specdec_abi_layout": (ctypes.POINTER(AbiEntry), [ctypes.POINTER(_I64)]),
 }

@@ -19,11 +19,13 @@ from specdec import kernel_abi, native
 from specdec.cache import cpu_attention
 from specdec.config import EngineConfig
 from specdec.engine_parts import resolve_config
+from specdec.eval import roofline
 from specdec.target.quant import decoder_stack, int4, qgemm, qlinear
 
 KERNELS = {
     **{f"{name}-{level.name}": module.kernel(level) for level in native.SIMD_LEVELS
-       for name, module in (("qgemm", qgemm), ("attention", cpu_attention), ("decoder", decoder_stack))},
+       for name, module in (("qgemm", qgemm), ("attention", cpu_attention), ("decoder", decoder_stack),
+                            ("roofline", roofline))},
     "int4_quant": int4.QUANTIZER,
 }
 needs_gcc = pytest.mark.skipif(native.compiler() is None, reason="no C compiler")
