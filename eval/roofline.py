@@ -165,8 +165,18 @@ def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
 
 
 def _library(level: str) -> ctypes.CDLL:
-    kernel_ = kernel(level)
-    lib = kernel_.load()
+    """The measuring kernels at `level`, loaded with `SPECDEC_ISA` held there for the call: every
+    level the machine runs is measured, whatever the engine is held to."""
+    held = os.environ.get(native.ISA_ENV)
+    os.environ[native.ISA_ENV] = level
+    try:
+        kernel_ = kernel(level)
+        lib = kernel_.load()
+    finally:
+        if held is None:
+            os.environ.pop(native.ISA_ENV, None)
+        else:
+            os.environ[native.ISA_ENV] = held
     if lib is None:
         raise SystemExit(f"the roofline kernels do not run at {level}: {kernel_.unavailable_reason()}")
     return lib

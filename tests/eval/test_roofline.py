@@ -84,6 +84,16 @@ def test_measuring_kernels_run_at_each_level(simd_level):
     assert lib.roofline_int8_peak(0, 1, ctypes.byref(out)) == 2
 
 
+def test_every_level_is_measured_whatever_specdec_isa_holds(monkeypatch):
+    levels = [level.name for level in native.machine_levels()]
+    if not levels:
+        pytest.skip("no SIMD level runs here")
+    monkeypatch.setenv(native.ISA_ENV, levels[-1])  # held to the lowest
+    for level in levels:
+        assert roofline._library(level) is not None
+    assert native.simd_level().name == levels[-1]  # and still held there afterwards
+
+
 def test_model_cost_counts_tiles_as_stored_and_the_lm_head_apart(simd_level):
     from specdec.target.quant.qlinear import QLinear
 

@@ -8,6 +8,7 @@ set -euo pipefail
 out=${1:?output folder}; mkdir -p "$out"
 here=$(dirname "$0")
 echo "SPECDEC_ISA=${SPECDEC_ISA:-} $(python -c 'from specdec import native; print(native.describe_simd())')" | tee "$out/kernels.txt"
+python -m specdec.eval.roofline | tee "$out/roofline.md"
 "$LLAMA_BIN/llama-bench" -m /tmp/target.gguf -t 2 -p 512 -n 128 -r 3 2>/dev/null | tee "$out/llama-bench.md"
 specdec bench latency --limit 10 --max-tokens 128 --systems specdec-target-only specdec-speculative \
   --concurrency --threads 2 --out "$out/humaneval" --no-progress | grep "^|"
