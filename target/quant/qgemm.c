@@ -124,7 +124,7 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
 #define TILE_ROWS(R)                                                                  \
     do {                                                                              \
         vf acc[MAX_ROWS];                                                             \
-        tile_rows(tile, next, &pass, bits, groups, xq + row * k, gc + row * groups, k, R, acc); \
+        tile_rows(tile, row == 0, next_ahead, bits, groups, xq + row * k, gc + row * groups, k, R, acc); \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);              \
     } while (0)
 
@@ -166,9 +166,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < n / TILE; t++) {
         const uint8_t *tile = tiles + tile_offsets[t];
-        const uint8_t *next = t + 1 < n / TILE ? tiles + tile_offsets[t + 1] : tile; /* what pass 2 prefetches */
+        /* later passes over this tile prefetch the next one (qgemm_tiles.h) */
+        const int64_t next_ahead = t + 1 < n / TILE ? tile_offsets[t + 1] - tile_offsets[t] : PREFETCH_BYTES;
         const int bits = tile_bits[t];
-        int pass = 0;
         int64_t row = 0;
         for (; row + MAX_ROWS <= m; row += MAX_ROWS) TILE_ROWS(MAX_ROWS);
         switch (m - row) { /* the rest, each count its own unrolled instance */

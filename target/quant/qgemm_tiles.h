@@ -9,15 +9,13 @@
  * where isum = sum(q * xq) with the unsigned weights q (0..15, or 1..255).
  */
 
-/* What one pass over a tile prefetches (`pf`: the address that corresponds to the tile's start;
- * NULL: nothing). The first pass streams the tile from memory, PREFETCH_BYTES ahead of its reads;
- * the second (more rows than a pass takes, or the int8 tiles' second half) reads the tile from
- * cache, so it prefetches the next tile instead: memory keeps streaming while the rows of later
- * passes compute, and a verify window of 4-6 rows costs about max(memory, compute), not their sum. */
-static inline const uint8_t *pass_prefetch(const uint8_t *tile, const uint8_t *next, int *pass) {
-    const int at = (*pass)++;
-    return at == 0 ? tile + PREFETCH_BYTES : at == 1 ? next : NULL;
-}
+/* What a pass over a tile prefetches, as a distance from the bytes it reads (`ahead`). The tile's
+ * first pass streams it from memory, PREFETCH_BYTES ahead. A later pass (more rows than one pass
+ * takes, or an int8 tile's second half) reads the tile from cache, so it prefetches the next tile
+ * at the same place (`next_ahead` = next tile - this tile): memory keeps streaming while the rows
+ * of later passes compute, and a verify window of 4-8 rows costs about max(memory, compute), not
+ * their sum. `tile_rows` takes `first` (its rows start the tile) and picks; the first pass keeps
+ * a constant distance, so its code is what it was without the second pass's prefetch. */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 
@@ -31,11 +29,10 @@ static inline const uint8_t *pass_prefetch(const uint8_t *tile, const uint8_t *n
 
 /* Two int32 accumulators per row (even and odd halves of each group) halve the dependency chains
  * of `vpdpbusd`, whose latency otherwise bounds the loop. */
-static inline __attribute__((always_inline)) void tile_rows(
-    const uint8_t *tile, const uint8_t *next, int *pass, int bits, int64_t groups, const int8_t *xq,
+static inline __attribute__((always_inline)) void tile_rows_ahead(
+    const uint8_t *tile, int64_t ahead, int bits, int64_t groups, const int8_t *xq,
     const struct group_consts *gc, int64_t k, const int R, vf *acc) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const uint8_t *pf = pass_prefetch(tile, next, pass);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     const uint8_t *p = tile;
     for (int64_t g = 0; g < groups; g++) {
@@ -44,7 +41,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         const int8_t *xg = xq + g * GROUP;
         if (bits == 4) {
             for (int b = 0; b < 4; b++, p += 64) {
-                if (pf) _mm_prefetch((const char *)pf + (p - tile), _MM_HINT_T0);
+                _mm_prefetch((const char *)p + ahead, _MM_HINT_T0);
                 __m512i w = _mm512_loadu_si512((const void *)p);
                 __m512i lo = _mm512_and_si512(w, nibble);
                 __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
@@ -56,10 +53,8 @@ static inline __attribute__((always_inline)) void tile_rows(
             }
         } else {
             for (int b = 0; b < 8; b += 2, p += 128) {
-                if (pf) {
-                    _mm_prefetch((const char *)pf + (p - tile), _MM_HINT_T0);
-                    _mm_prefetch((const char *)pf + (p - tile) + 64, _MM_HINT_T0);
-                }
+                _mm_prefetch((const char *)p + ahead, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + ahead + 64, _MM_HINT_T0);
                 __m512i w0 = _mm512_loadu_si512((const void *)p);
                 __m512i w1 = _mm512_loadu_si512((const void *)(p + 64));
                 for (int r = 0; r < R; r++) {
@@ -90,6 +85,13 @@ static inline __attribute__((always_inline)) void tile_rows(
             }
         }
     }
+}
+
+static inline __attribute__((always_inline)) void tile_rows(
+    const uint8_t *tile, int first, int64_t next_ahead, int bits, int64_t groups, const int8_t *xq,
+    const struct group_consts *gc, int64_t k, const int R, vf *acc) {
+    if (first) tile_rows_ahead(tile, PREFETCH_BYTES, bits, groups, xq, gc, k, R, acc);
+    else tile_rows_ahead(tile, next_ahead, bits, groups, xq, gc, k, R, acc);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -171,14 +173,13 @@ static inline __m256 load_bf16x8_bytes(const uint8_t *p) { return load_bf16x8((c
  * receive outputs 0-7 and 8-15. AVX2 sums the byte pairs of `vpmaddubsw` in int16 through the
  * group (at most 8 x 2 x 15 x 127 = 30480), then in int32 (`vpmaddwd`). */
 static inline __attribute__((always_inline)) void int4_rows_both_halves(
-    const uint8_t *tile, const uint8_t *pf, int64_t groups, const int8_t *xq, const struct group_consts *gc,
+    const uint8_t *tile, int64_t ahead, int64_t groups, const int8_t *xq, const struct group_consts *gc,
     int64_t k, const int R, __m256 *lo, __m256 *hi) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = tile + g * 320;
-        if (pf)
-            for (int64_t line = 0; line < 320; line += 64) _mm_prefetch((const char *)pf + g * 320 + line, _MM_HINT_T0);
+        for (int64_t line = 0; line < 320; line += 64) _mm_prefetch((const char *)p + ahead + line, _MM_HINT_T0);
         const int8_t *xg = xq + g * GROUP;
         __m256i s0[3], s1[3];
         for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
@@ -216,29 +217,27 @@ static inline __attribute__((always_inline)) void int4_rows_both_halves(
 }
 
 static inline __attribute__((always_inline)) void tile_rows(
-    const uint8_t *tile, const uint8_t *next, int *pass, int bits, int64_t groups, const int8_t *xq,
+    const uint8_t *tile, int first, int64_t next_ahead, int bits, int64_t groups, const int8_t *xq,
     const struct group_consts *gc, int64_t k, const int R, vf *acc) {
     if (bits == 4) { /* rows in one or two balanced passes of at most 3 */
-        const int first = R <= 3 ? R : (R + 1) / 2, second = R - first;
+        const int rows1 = R <= 3 ? R : (R + 1) / 2, rows2 = R - rows1;
         __m256 lo[3], hi[3];
-        int4_rows_both_halves(tile, pass_prefetch(tile, next, pass), groups, xq, gc, k, first, lo, hi);
-        for (int r = 0; r < first; r++) acc[r] = (vf){lo[r], hi[r]};
-        if (second > 0) {
-            int4_rows_both_halves(tile, pass_prefetch(tile, next, pass), groups, xq + first * k, gc + first * groups,
-                                  k, second, lo, hi);
-            for (int r = 0; r < second; r++) acc[first + r] = (vf){lo[r], hi[r]};
+        if (first) int4_rows_both_halves(tile, PREFETCH_BYTES, groups, xq, gc, k, rows1, lo, hi);
+        else int4_rows_both_halves(tile, next_ahead, groups, xq, gc, k, rows1, lo, hi);
+        for (int r = 0; r < rows1; r++) acc[r] = (vf){lo[r], hi[r]};
+        if (rows2 > 0) {
+            int4_rows_both_halves(tile, next_ahead, groups, xq + rows1 * k, gc + rows1 * groups, k, rows2, lo, hi);
+            for (int r = 0; r < rows2; r++) acc[rows1 + r] = (vf){lo[r], hi[r]};
         }
         return;
     }
     for (int h = 0; h < 2; h++) { /* int8: a pass per half */
-        const uint8_t *pf = pass_prefetch(tile, next, pass);
+        const int64_t ahead = first && h == 0 ? PREFETCH_BYTES : next_ahead;
         __m256 out[MAX_ROWS];
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *p = tile + g * 544;
-            if (pf)
-                for (int64_t line = 0; line < 544; line += 64)
-                    _mm_prefetch((const char *)pf + g * 544 + line, _MM_HINT_T0);
+            for (int64_t line = 0; line < 544; line += 64) _mm_prefetch((const char *)p + ahead + line, _MM_HINT_T0);
             __m256i isum[MAX_ROWS];
             dot_int8(p + 32 * h, xq + g * GROUP, k, gc + g, groups, R, isum);
             const __m256 step = load_bf16x8_bytes(p + 512 + 16 * h);
