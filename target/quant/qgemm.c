@@ -18,7 +18,8 @@
  *
  * Each weight tile is read once per call however many rows there are: rows are processed in
  * chunks of up to MAX_ROWS against the tile while it sits in L1/L2, so verifying k+1 tokens costs about
- * what one costs until the VNNI units, not memory, are the limit.
+ * what one costs until the VNNI units, not memory, are the limit. Later passes over a tile prefetch
+ * the next one, and at AVX2 / AVX-VNNI a call of many rows unpacks each int4 tile once.
  *
  * Tile layout (bytes, per group g of the tile, groups in order):
  *   int4: 4 blocks of 64 B (8 inputs x 16 outputs each: byte 4n+i = q[n][8b+i] | q[n][8b+4+i] << 4),
@@ -128,6 +129,15 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);              \
     } while (0)
 
+#ifdef UNPACKED_GROUP /* R <= UNPACKED_PASS rows against the unpacked tile */
+#define UNPACKED_ROWS(R)                                                                              \
+    do {                                                                                              \
+        vf acc[UNPACKED_PASS];                                                                        \
+        unpacked_rows(unpacked, tile + next_ahead, groups, xq + row * k, gc + row * groups, k, R, acc); \
+        store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                              \
+    } while (0)
+#endif
+
 /* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
  * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
  * the byte offset of each tile in it and `tile_bits[N/16]` its format (4 or 8). x, y, residual
@@ -163,26 +173,48 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         }
     }
     quantize_rows(x, x_bf16, m, k, glu, inv_rms, norm_w, norm_w_bf16, xq, gc, threads);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < n / TILE; t++) {
-        const uint8_t *tile = tiles + tile_offsets[t];
-        /* later passes over this tile prefetch the next one (qgemm_tiles.h) */
-        const int64_t next_ahead = t + 1 < n / TILE ? tile_offsets[t + 1] - tile_offsets[t] : PREFETCH_BYTES;
-        const int bits = tile_bits[t];
-        int64_t row = 0;
-        for (; row + MAX_ROWS <= m; row += MAX_ROWS) TILE_ROWS(MAX_ROWS);
-        switch (m - row) { /* the rest, each count its own unrolled instance */
+#pragma omp parallel num_threads(threads)
+    {
+        uint8_t *unpacked = NULL; /* many rows at AVX2 / AVX-VNNI: int4 tiles unpacked once (qgemm_tiles.h) */
+#ifdef UNPACKED_GROUP
+        if (m >= UNPACKED_MIN_ROWS) /* NULL (no memory): the packed passes */
+            unpacked = (uint8_t *)aligned_alloc(64, (size_t)(groups * UNPACKED_GROUP));
+#endif
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n / TILE; t++) {
+            const uint8_t *tile = tiles + tile_offsets[t];
+            /* later passes over this tile prefetch the next one (qgemm_tiles.h) */
+            const int64_t next_ahead = t + 1 < n / TILE ? tile_offsets[t + 1] - tile_offsets[t] : PREFETCH_BYTES;
+            const int bits = tile_bits[t];
+            int64_t row = 0;
+#ifdef UNPACKED_GROUP
+            if (unpacked && bits == 4) {
+                unpack_int4_tile(tile, groups, unpacked);
+                for (; row + UNPACKED_PASS <= m; row += UNPACKED_PASS) UNPACKED_ROWS(UNPACKED_PASS);
+                switch (m - row) {
+                    case 3: UNPACKED_ROWS(3); break;
+                    case 2: UNPACKED_ROWS(2); break;
+                    case 1: UNPACKED_ROWS(1); break;
+                    default: break;
+                }
+                continue;
+            }
+#endif
+            for (; row + MAX_ROWS <= m; row += MAX_ROWS) TILE_ROWS(MAX_ROWS);
+            switch (m - row) { /* the rest, each count its own unrolled instance */
 #if MAX_ROWS > 5
-            case 5: TILE_ROWS(5); break;
+                case 5: TILE_ROWS(5); break;
 #endif
 #if MAX_ROWS > 4
-            case 4: TILE_ROWS(4); break;
+                case 4: TILE_ROWS(4); break;
 #endif
-            case 3: TILE_ROWS(3); break;
-            case 2: TILE_ROWS(2); break;
-            case 1: TILE_ROWS(1); break;
-            default: break;
+                case 3: TILE_ROWS(3); break;
+                case 2: TILE_ROWS(2); break;
+                case 1: TILE_ROWS(1); break;
+                default: break;
+            }
         }
+        free(unpacked);
     }
     free(xq), free(gc), free(inv_rms);
     return SPECDEC_OK;

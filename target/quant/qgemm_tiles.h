@@ -168,6 +168,25 @@ static inline __attribute__((always_inline)) void dot_int8(const uint8_t *w, con
 
 static inline __m256 load_bf16x8_bytes(const uint8_t *p) { return load_bf16x8((const uint16_t *)p); }
 
+/* lo[r], hi[r] += group g's share of row r: the int4 formula of the header, from the integer sums
+ * s0[r] and s1[r] (int16 pairs at AVX2, int32 at AVX-VNNI) and the halves' steps and zeros. */
+static inline __attribute__((always_inline)) void int4_group_scale(
+    __m256i *s0, __m256i *s1, __m256 step0, __m256 step1, __m256 zero0, __m256 zero1,
+    const struct group_consts *gc, int64_t groups, int64_t g, const int R, __m256 *lo, __m256 *hi) {
+    for (int r = 0; r < R; r++) {
+#if !defined(__AVXVNNI__)
+        s0[r] = _mm256_madd_epi16(s0[r], _mm256_set1_epi16(1));
+        s1[r] = _mm256_madd_epi16(s1[r], _mm256_set1_epi16(1));
+#endif
+        const struct group_consts *c = &gc[r * groups + g];
+        const __m256 scale = _mm256_set1_ps(c->scale), off = _mm256_set1_ps(c->int4_offset), sum = _mm256_set1_ps(c->sum);
+        lo[r] = _mm256_fmadd_ps(step0, _mm256_fmsub_ps(_mm256_cvtepi32_ps(s0[r]), scale, off), lo[r]);
+        lo[r] = _mm256_fmadd_ps(zero0, sum, lo[r]);
+        hi[r] = _mm256_fmadd_ps(step1, _mm256_fmsub_ps(_mm256_cvtepi32_ps(s1[r]), scale, off), hi[r]);
+        hi[r] = _mm256_fmadd_ps(zero1, sum, hi[r]);
+    }
+}
+
 /* An int4 tile against R <= 3 rows, both halves in one pass: each broadcast of 4 activations
  * feeds the products of both halves (half the broadcasts of a pass per half). lo[r] and hi[r]
  * receive outputs 0-7 and 8-15. AVX2 sums the byte pairs of `vpmaddubsw` in int16 through the
@@ -199,21 +218,87 @@ static inline __attribute__((always_inline)) void int4_rows_both_halves(
 #endif
             }
         }
-        const __m256 step0 = load_bf16x8_bytes(p + 256), step1 = load_bf16x8_bytes(p + 272);
-        const __m256 zero0 = load_bf16x8_bytes(p + 288), zero1 = load_bf16x8_bytes(p + 304);
-        for (int r = 0; r < R; r++) {
-#if !defined(__AVXVNNI__)
-            s0[r] = _mm256_madd_epi16(s0[r], _mm256_set1_epi16(1));
-            s1[r] = _mm256_madd_epi16(s1[r], _mm256_set1_epi16(1));
-#endif
-            const struct group_consts *c = &gc[r * groups + g];
-            const __m256 scale = _mm256_set1_ps(c->scale), off = _mm256_set1_ps(c->int4_offset), sum = _mm256_set1_ps(c->sum);
-            lo[r] = _mm256_fmadd_ps(step0, _mm256_fmsub_ps(_mm256_cvtepi32_ps(s0[r]), scale, off), lo[r]);
-            lo[r] = _mm256_fmadd_ps(zero0, sum, lo[r]);
-            hi[r] = _mm256_fmadd_ps(step1, _mm256_fmsub_ps(_mm256_cvtepi32_ps(s1[r]), scale, off), hi[r]);
-            hi[r] = _mm256_fmadd_ps(zero1, sum, hi[r]);
-        }
+        int4_group_scale(s0, s1, load_bf16x8_bytes(p + 256), load_bf16x8_bytes(p + 272), load_bf16x8_bytes(p + 288),
+                         load_bf16x8_bytes(p + 304), gc, groups, g, R, lo, hi);
     }
+}
+
+/* Many rows (a prefill chunk, at least UNPACKED_MIN_ROWS): each int4 tile is unpacked once per
+ * call into a per-thread buffer, UNPACKED_GROUP bytes a group: per block its low and high nibbles
+ * of both halves as bytes (l0, l1, h0, h1: 32 B each), then step0, step1, zero0, zero1 widened to
+ * fp32 (32 B each). The passes of UNPACKED_PASS rows then load what `int4_rows_both_halves`
+ * computes again in every pass of 3 (the weight registers freed by the unpacking take a fourth
+ * row): the same integer sums and fp32 operations, so the results are bitwise the packed path's.
+ * `prefetch_ab.py` at avx2, old and new alternating: 1.03-1.08x at 7-8 rows, 1.1-1.2x at 16-512;
+ * at 4-6 rows the packed passes (the second prefetching the next tile) are as fast or faster. */
+#define UNPACKED_GROUP 640
+#if defined(__AVXVNNI__)
+#define UNPACKED_MIN_ROWS 32 /* avx-vnni: 1.1x slower at 7 rows, even at 16, 1.03-1.09x faster at 64-512 */
+#else
+#define UNPACKED_MIN_ROWS 7
+#endif
+#define UNPACKED_PASS 4 /* rows per pass: 3 + the weight registers the unpacking frees */
+
+/* Stream an int4 tile (PREFETCH_BYTES ahead) into its unpacked form `u`. */
+static inline void unpack_int4_tile(const uint8_t *tile, int64_t groups, uint8_t *u) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = tile + g * 320;
+        for (int64_t line = 0; line < 320; line += 64) _mm_prefetch((const char *)p + PREFETCH_BYTES + line, _MM_HINT_T0);
+        uint8_t *q = u + g * UNPACKED_GROUP;
+        for (int b = 0; b < 4; b++) {
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + 64 * b));
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(p + 64 * b + 32));
+            _mm256_store_si256((__m256i *)(q + 128 * b), _mm256_and_si256(v0, nibble));
+            _mm256_store_si256((__m256i *)(q + 128 * b + 32), _mm256_and_si256(v1, nibble));
+            _mm256_store_si256((__m256i *)(q + 128 * b + 64), _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble));
+            _mm256_store_si256((__m256i *)(q + 128 * b + 96), _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble));
+        }
+        for (int i = 0; i < 4; i++) _mm256_store_ps((float *)(q + 512 + 32 * i), load_bf16x8_bytes(p + 256 + 16 * i));
+    }
+}
+
+/* int4_rows_both_halves from an unpacked tile, R <= UNPACKED_PASS rows; it prefetches the next
+ * packed tile (`next`), which the next unpacking then finds in cache. */
+static inline __attribute__((always_inline)) void int4_rows_unpacked(
+    const uint8_t *u, const uint8_t *next, int64_t groups, const int8_t *xq, const struct group_consts *gc,
+    int64_t k, const int R, __m256 *lo, __m256 *hi) {
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *q = u + g * UNPACKED_GROUP;
+        for (int64_t line = 0; line < 320; line += 64) _mm_prefetch((const char *)next + g * 320 + line, _MM_HINT_T0);
+        const int8_t *xg = xq + g * GROUP;
+        __m256i s0[UNPACKED_PASS], s1[UNPACKED_PASS];
+        for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+        for (int b = 0; b < 4; b++) {
+            const __m256i l0 = _mm256_load_si256((const __m256i *)(q + 128 * b));
+            const __m256i l1 = _mm256_load_si256((const __m256i *)(q + 128 * b + 32));
+            const __m256i h0 = _mm256_load_si256((const __m256i *)(q + 128 * b + 64));
+            const __m256i h1 = _mm256_load_si256((const __m256i *)(q + 128 * b + 96));
+            for (int r = 0; r < R; r++) {
+                const int8_t *a = xg + r * k + 8 * b;
+#if defined(__AVXVNNI__)
+                DOT4_2(s0[r], s1[r], l0, l1, a);
+                DOT4_2(s0[r], s1[r], h0, h1, a + 4);
+#else
+                MADDUBS_ACC2(s0[r], s1[r], l0, l1, a);
+                MADDUBS_ACC2(s0[r], s1[r], h0, h1, a + 4);
+#endif
+            }
+        }
+        int4_group_scale(s0, s1, _mm256_load_ps((const float *)(q + 512)), _mm256_load_ps((const float *)(q + 544)),
+                         _mm256_load_ps((const float *)(q + 576)), _mm256_load_ps((const float *)(q + 608)), gc, groups,
+                         g, R, lo, hi);
+    }
+}
+
+/* acc[r] of R <= UNPACKED_PASS rows against an unpacked int4 tile */
+static inline __attribute__((always_inline)) void unpacked_rows(const uint8_t *u, const uint8_t *next, int64_t groups,
+                                                               const int8_t *xq, const struct group_consts *gc,
+                                                               int64_t k, const int R, vf *acc) {
+    __m256 lo[UNPACKED_PASS], hi[UNPACKED_PASS];
+    int4_rows_unpacked(u, next, groups, xq, gc, k, R, lo, hi);
+    for (int r = 0; r < R; r++) acc[r] = (vf){lo[r], hi[r]};
 }
 
 static inline __attribute__((always_inline)) void tile_rows(

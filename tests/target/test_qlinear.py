@@ -64,12 +64,13 @@ def test_a_rows_result_does_not_depend_on_the_rest_of_the_batch(int4, simd_level
 
 @pytest.mark.parametrize("int4", [True, False])
 def test_row_i_of_n_rows_is_the_one_row_call_bitwise(int4, simd_level):
-    """n = 1..16 rows, with an RMSNorm, a SiLU-GLU or a residual fused in: every row of every call
-    equals that row alone, at this level (the batch splits into chunks of `MAX_ROWS` and a rest)."""
+    """n = 1..16 rows and a prefill chunk's 31-40, with an RMSNorm, a SiLU-GLU or a residual fused in:
+    every row of every call equals that row alone, at this level (the batch splits into chunks of
+    `MAX_ROWS` and a rest; from 7 or 32 rows, by level, int4 tiles are unpacked once per call)."""
     q, _ = _linear(int4)
     g = torch.Generator().manual_seed(11)
-    x, gate_up = torch.randn(16, 96, generator=g).bfloat16(), (torch.randn(16, 192, generator=g) * 4).bfloat16()
-    norm, residual = torch.rand(96, generator=g).bfloat16() + 0.5, torch.randn(16, 64, generator=g).bfloat16()
+    x, gate_up = torch.randn(40, 96, generator=g).bfloat16(), (torch.randn(40, 192, generator=g) * 4).bfloat16()
+    norm, residual = torch.rand(96, generator=g).bfloat16() + 0.5, torch.randn(40, 64, generator=g).bfloat16()
     calls = {
         "plain": lambda rows: q(x[rows]),
         "norm": lambda rows: q(x[rows], norm_weight=norm, eps=1e-6),
@@ -77,29 +78,29 @@ def test_row_i_of_n_rows_is_the_one_row_call_bitwise(int4, simd_level):
         "residual": lambda rows: q(x[rows], residual=residual[rows]),
     }
     for name, call in calls.items():
-        alone = torch.cat([call(slice(i, i + 1)) for i in range(16)])
-        for n in range(1, 17):
+        alone = torch.cat([call(slice(i, i + 1)) for i in range(40)])
+        for n in [*range(1, 17), 31, 32, 33, 40]:
             assert torch.equal(call(slice(0, n)), alone[:n]), (name, n)
 
 
 def test_every_level_computes_bitwise_the_same(monkeypatch):
     """The AVX2 and AVX-VNNI builds return what the AVX-512 VNNI build returns, bit for bit (int4
-    and int8 tiles, each fusion, 1 to 13 rows), so tokens do not depend on the CPU's level.
+    and int8 tiles, each fusion, 1 to 40 rows), so tokens do not depend on the CPU's level.
     Compares the levels this machine runs: all three on an AVX-512 VNNI CPU."""
     from tests.conftest import MACHINE_LEVELS
 
     if len(MACHINE_LEVELS) < 2:
         pytest.skip(f"one level runs here ({MACHINE_LEVELS}): nothing to compare")
     g = torch.Generator().manual_seed(12)
-    x, gate_up = torch.randn(13, 96, generator=g), torch.randn(13, 192, generator=g) * 30
-    norm, residual = torch.rand(96, generator=g) + 0.5, torch.randn(13, 64, generator=g)
+    x, gate_up = torch.randn(40, 96, generator=g), torch.randn(40, 192, generator=g) * 30
+    norm, residual = torch.rand(96, generator=g) + 0.5, torch.randn(40, 64, generator=g)
     results = {}
     for level in MACHINE_LEVELS:
         monkeypatch.setenv("SPECDEC_ISA", level)
         out = []
         for int4 in (True, False):
             q, _ = _linear(int4)
-            for rows in (1, 4, 5, 6, 13):
+            for rows in (1, 4, 5, 6, 7, 13, 40):
                 for dtype in (torch.float32, torch.bfloat16):
                     a, b, r = x[:rows].to(dtype), gate_up[:rows].to(dtype), residual[:rows].to(dtype)
                     out += [q(a), q(b, glu=True), q(a, norm_weight=norm.to(dtype), eps=1e-6, residual=r)]
