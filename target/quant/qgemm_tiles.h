@@ -168,6 +168,22 @@ static inline __attribute__((always_inline)) void dot_int8(const uint8_t *w, con
 
 static inline __m256 load_bf16x8_bytes(const uint8_t *p) { return load_bf16x8((const uint16_t *)p); }
 
+/* s0[r], s1[r] += the products of one int4 block (8 inputs; l0, l1: both halves' low nibbles,
+ * h0, h1: their high ones) with the 8 activations at `a` of each of R rows (`k` apart). */
+static inline __attribute__((always_inline)) void int4_block_rows(__m256i *s0, __m256i *s1, __m256i l0, __m256i l1,
+                                                                 __m256i h0, __m256i h1, const int8_t *a, int64_t k,
+                                                                 const int R) {
+    for (int r = 0; r < R; r++) {
+#if defined(__AVXVNNI__)
+        DOT4_2(s0[r], s1[r], l0, l1, a + r * k);
+        DOT4_2(s0[r], s1[r], h0, h1, a + r * k + 4);
+#else
+        MADDUBS_ACC2(s0[r], s1[r], l0, l1, a + r * k);
+        MADDUBS_ACC2(s0[r], s1[r], h0, h1, a + r * k + 4);
+#endif
+    }
+}
+
 /* lo[r], hi[r] += group g's share of row r: the int4 formula of the header, from the integer sums
  * s0[r] and s1[r] (int16 pairs at AVX2, int32 at AVX-VNNI) and the halves' steps and zeros. */
 static inline __attribute__((always_inline)) void int4_group_scale(
@@ -207,16 +223,7 @@ static inline __attribute__((always_inline)) void int4_rows_both_halves(
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(p + 64 * b + 32));
             const __m256i l0 = _mm256_and_si256(v0, nibble), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
             const __m256i l1 = _mm256_and_si256(v1, nibble), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
-            for (int r = 0; r < R; r++) {
-                const int8_t *a = xg + r * k + 8 * b;
-#if defined(__AVXVNNI__)
-                DOT4_2(s0[r], s1[r], l0, l1, a);
-                DOT4_2(s0[r], s1[r], h0, h1, a + 4);
-#else
-                MADDUBS_ACC2(s0[r], s1[r], l0, l1, a);
-                MADDUBS_ACC2(s0[r], s1[r], h0, h1, a + 4);
-#endif
-            }
+            int4_block_rows(s0, s1, l0, l1, h0, h1, xg + 8 * b, k, R);
         }
         int4_group_scale(s0, s1, load_bf16x8_bytes(p + 256), load_bf16x8_bytes(p + 272), load_bf16x8_bytes(p + 288),
                          load_bf16x8_bytes(p + 304), gc, groups, g, R, lo, hi);
@@ -275,16 +282,7 @@ static inline __attribute__((always_inline)) void int4_rows_unpacked(
             const __m256i l1 = _mm256_load_si256((const __m256i *)(q + 128 * b + 32));
             const __m256i h0 = _mm256_load_si256((const __m256i *)(q + 128 * b + 64));
             const __m256i h1 = _mm256_load_si256((const __m256i *)(q + 128 * b + 96));
-            for (int r = 0; r < R; r++) {
-                const int8_t *a = xg + r * k + 8 * b;
-#if defined(__AVXVNNI__)
-                DOT4_2(s0[r], s1[r], l0, l1, a);
-                DOT4_2(s0[r], s1[r], h0, h1, a + 4);
-#else
-                MADDUBS_ACC2(s0[r], s1[r], l0, l1, a);
-                MADDUBS_ACC2(s0[r], s1[r], h0, h1, a + 4);
-#endif
-            }
+            int4_block_rows(s0, s1, l0, l1, h0, h1, xg + 8 * b, k, R);
         }
         int4_group_scale(s0, s1, _mm256_load_ps((const float *)(q + 512)), _mm256_load_ps((const float *)(q + 544)),
                          _mm256_load_ps((const float *)(q + 576)), _mm256_load_ps((const float *)(q + 608)), gc, groups,
