@@ -198,8 +198,8 @@ def report(machine: Machine, target: ModelCost, draft: ModelCost | None, gguf_ta
         llama_tg = bw / gguf_target_bytes
         lines.append(f"| llama.cpp, the target's GGUF | {gguf_target_bytes / 1e9:.3f} GB | | "
                      f"{1e3 / llama_tg:.1f} ms: tg128 at most {llama_tg:.1f} tok/s |")
-    lines += ["", f"Ceilings per level ({max_tokens} new tokens a request, the prompt counted; speculative: "
-              f"the best fixed k <= {max_k}):", ""]
+    best_k = f"; speculative: the best fixed k <= {max_k}" if draft else ""
+    lines += ["", f"Ceilings per level ({max_tokens} new tokens a request, the prompt counted{best_k}):", ""]
     head = "| level | prefill tok/s (512 tokens) | rows a target forward takes before compute binds |"
     head += "".join(f" {w.name} target-only tok/s |" for w in workloads)
     if draft:

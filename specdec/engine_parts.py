@@ -52,7 +52,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(
         config,
         target_quant=family_quant(config.target, target, config.target_quant),
-        draft_quant=family_quant(config.draft, draft, config.draft_quant),
+        # no draft model (`draft=None`, a model-free proposer or none): its quantization is moot
+        draft_quant=family_quant(config.draft, draft, config.draft_quant) if config.draft else (config.draft_quant or draft),
     )
 
 

@@ -236,7 +236,7 @@ static inline __attribute__((always_inline)) void int4_rows_both_halves(
  * fp32 (32 B each). The passes of UNPACKED_PASS rows then load what `int4_rows_both_halves`
  * computes again in every pass of 3 (the weight registers freed by the unpacking take a fourth
  * row): the same integer sums and fp32 operations, so the results are bitwise the packed path's.
- * `prefetch_ab.py` at avx2, old and new alternating: 1.03-1.08x at 7-8 rows, 1.1-1.2x at 16-512;
+ * `prefetch_ab.py` at avx2, old and new alternating: 1.03-1.08x at 7-8 rows, 1.1-1.25x at 16-512;
  * at 4-6 rows the packed passes (the second prefetching the next tile) are as fast or faster. */
 #define UNPACKED_GROUP 640
 #if defined(__AVXVNNI__)

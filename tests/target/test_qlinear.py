@@ -213,6 +213,9 @@ def test_kernel_defaults_where_it_runs(monkeypatch):
     config = resolve_config(EngineConfig(dtype="bfloat16", device="cpu"))
     assert (config.target_quant, config.draft_quant) == ("w4a8-auto", "w4a8")
     assert resolve_config(EngineConfig(dtype="float32", device="cpu")).target_quant == "none"
+    # no draft model at all (a model-free proposer, or none): its quantization is the default's
+    config = resolve_config(EngineConfig(draft=None, proposer="ngram", dtype="bfloat16", device="cpu"))
+    assert (config.target_quant, config.draft_quant) == ("w4a8-auto", "w4a8")
 
 
 def _tiny_bf16_pair(tmp_path):
