@@ -24,7 +24,13 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    # mixtures of experts (`MoEConfig`)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Multimodal configs whose text model we run (the image tower is not loaded).
 TEXT_OF_MULTIMODAL = ("gemma3",)
@@ -33,6 +39,25 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 class UnsupportedModelError(ValueError):
     """The checkpoint's architecture is not one our transformer implements."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: a router picks `top_k` of `num_experts` SiLU-GLU experts per token.
+
+    Every family routes by softmax over all experts, then the top k (Mixtral's top k of the logits,
+    then softmax over those, is the same distribution as softmax, top k, renormalize).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_size: int  # each expert's intermediate width
+    norm_topk: bool  # renormalize the top k weights to sum 1 (Mixtral always; Qwen / OLMoE by config)
+    shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert, gated by sigmoid(x . w); 0: none
+    sparse_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense MLP of `intermediate_size`
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return self.sparse_layers[layer_idx] if self.sparse_layers else True
 
 
 @dataclass
@@ -64,6 +89,13 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()  # per layer: a query at p sees keys in (p - w, p]; (): none
     local_rope_layers: tuple[bool, ...] = ()  # per layer: rope of the "sliding_attention" type (Gemma 3)
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
+    qk_norm_full: bool = False  # OLMoE: q and k RMS-normalised over all their heads at once (not per head)
+    o_bias: bool = False  # OLMoE with attention_bias: o_proj has a bias too
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+    moe: MoEConfig | None = None  # sparse MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE); None: dense
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return self.moe is not None and self.moe.is_sparse(layer_idx)
 
     def window(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s sliding window (None: it attends to every earlier key)."""
@@ -79,6 +111,8 @@ class ModelConfig:
             "logit soft-capping": self.final_logit_softcap is not None,
             "sliding windows": any(w is not None for w in self.sliding_windows),
             "local rope": any(self.local_rope_layers), "fused checkpoint projections": self.fused_checkpoint,
+            "whole-width q/k norms": self.qk_norm_full, "o_proj bias": self.o_bias,
+            "q/k/v clipping": self.clip_qkv is not None,
         }
         return [name for name, present in features.items() if present]
 
@@ -108,6 +142,9 @@ class ModelConfig:
         eos = hf_config.eos_token_id
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(getattr(hf_config, "attention_bias", False)) or model_type == "qwen2"
+        if model_type == "qwen2_moe":
+            attention_bias = bool(getattr(hf_config, "qkv_bias", True))
+        olmoe = model_type == "olmoe"
         gemma = model_type in GEMMA_TYPES
         hidden_act = getattr(hf_config, "hidden_activation", None) if gemma else None
         hidden_act = hidden_act or getattr(hf_config, "hidden_act", "silu")
@@ -132,7 +169,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             hf_config=hf_config,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             gemma_norms=gemma,
             embedding_scale=hf_config.hidden_size**0.5 if gemma else None,
             hidden_act=hidden_act,
@@ -142,6 +179,10 @@ class ModelConfig:
             sliding_windows=windows,
             local_rope_layers=_local_rope_layers(hf_config, num_layers),
             fused_checkpoint=model_type == "phi3",
+            qk_norm_full=olmoe,
+            o_bias=olmoe and attention_bias,
+            clip_qkv=getattr(hf_config, "clip_qkv", None) if olmoe else None,
+            moe=_moe_config(hf_config, model_type, num_layers),
         )
 
 
@@ -160,6 +201,29 @@ def _model_type(hf_config: Any) -> str:
     raise UnsupportedModelError(
         f"unsupported architecture {archs or model_type!r}{hint}; specdec supports "
         f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _moe_config(hf_config: Any, model_type: str, num_layers: int) -> MoEConfig | None:
+    """The sparse MLP of an MoE family, with its dense layers (Qwen's `decoder_sparse_step`,
+    `mlp_only_layers`); None for a dense family."""
+    if model_type not in MOE_TYPES:
+        return None
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    top_k = hf_config.num_experts_per_tok
+    if not num_experts or not 0 < top_k <= num_experts:
+        raise UnsupportedModelError(f"{model_type}: {top_k} experts a token out of {num_experts} is not a mixture")
+    sparse: tuple[bool, ...] = ()
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        step, dense = hf_config.decoder_sparse_step or 1, set(hf_config.mlp_only_layers or ())
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_size=getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size,
+        norm_topk=model_type == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0,
+        sparse_layers=sparse,
     )
 
 

@@ -1,5 +1,6 @@
-"""One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3)
-over flat, varlen token batches.
+"""One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3,
+and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) over flat, varlen token batches.
+A layer's MLP is dense (`MLP`) or sparse (`moe.SparseMoE`), as the config says per layer.
 
 The model sees only `input_ids [T]`, `positions [T]`, the paged KV cache and the attention metadata
 of one step; it returns logits only for the rows asked for (`logits_indices`), so verification can
@@ -20,6 +21,7 @@ from torch import nn
 
 from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention, paged_attention, write_kv
 from specdec.target.config import ModelConfig
+from specdec.target.moe import SparseMoE
 from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope
 
 MAX_ROPE_POSITIONS = 32768
@@ -113,9 +115,12 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=bias)
             self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
             self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
-        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=False)
-        self.q_norm = make_norm(config, d) if config.qk_norm else None  # per head, before rope
-        self.k_norm = make_norm(config, d) if config.qk_norm else None
+        self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=config.o_bias)
+        # per head, before rope (Qwen3, Gemma 3); OLMoE: over all heads of q (of k) at once
+        self.norm_full = config.qk_norm_full
+        self.q_norm = make_norm(config, hq * d if self.norm_full else d) if config.qk_norm or self.norm_full else None
+        self.k_norm = make_norm(config, hkv * d if self.norm_full else d) if config.qk_norm or self.norm_full else None
+        self.clip = config.clip_qkv  # OLMoE: q, k, v clamped to [-clip, clip] after the norms
 
     def fuse_projections(self, fuse) -> None:
         """Replace q/k/v by `fuse([q, k, v])`, one module computing all three (unless it is None)."""
@@ -142,6 +147,8 @@ class Attention(nn.Module):
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
+        if self.clip is not None:
+            qkv = qkv.clamp(-self.clip, self.clip)
         if cpu_attention.supports(meta, qkv, k_cache, kv_cache.k_scale, kv_cache.v_scale) and self.c_kernel_fits:
             out = cpu_attention.rope_write_attend(
                 qkv, hq, hkv, rotation.positions, rotation.cos_table, rotation.signed_sin_table,
@@ -160,21 +167,23 @@ class Attention(nn.Module):
     @property
     def c_kernel_fits(self) -> bool:
         """The C attention (`cpu_attention`) implements neither sliding windows nor soft-capping."""
-        return self.window is None and self.softcap is None
+        return self.window is None and self.softcap is None and self.clip is None
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, (Hq + 2 Hkv) * D]
         """`qkv` with each head of q and k RMS-normalised (Qwen3, Gemma 3)."""
         t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        if self.norm_full:
+            return torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         q = self.q_norm(q.reshape(t, hq, d)).reshape(t, hq * d)
         k = self.k_norm(k.reshape(t, hkv, d)).reshape(t, hkv * d)
         return torch.cat([q, k, v], dim=-1)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections (or fused in the checkpoint)
         if config.fused_checkpoint:
             self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
@@ -212,7 +221,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = SparseMoE(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         # Gemma: the attention's and the MLP's outputs are normalised before their residual adds,

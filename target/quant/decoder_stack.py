@@ -82,7 +82,8 @@ class NativeDecoderStack:
             all(
                 isinstance(m, QLinear)
                 for layer in layers
-                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
+                          getattr(layer.mlp, "down_proj", None))
             )
             and len({(n.weight.dtype, n.eps) for n in norms}) == 1
             and norms[0].weight.dtype in (torch.bfloat16, torch.float32)

@@ -1,0 +1,118 @@
+"""The sparse MLP of the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
+
+A router (`gate`, kept dense) scores every expert per token; the top k experts, each a SiLU-GLU
+MLP (`experts[e]`, the dense `MLP` with the expert's width), run on just the rows that chose them,
+and their outputs are summed with the router weights. Qwen2-MoE adds a shared expert on every
+row, scaled by `sigmoid(shared_expert_gate(x))`.
+
+Parameter names are transformers' checkpoint names (`mlp.gate`, `mlp.experts.{e}.gate_proj`, ...);
+transformers' own modules stack the experts (`experts.gate_up_proj [E, 2I, H]`), which
+`split_stacked_experts` turns into ours.
+
+The torch forward here is the reference (and the path where the experts do not fit the C kernel);
+a runner gives the block an `ExpertKernel` (`quant.moe_kernel`: the whole block, router to residual,
+in one C call) once its experts are quantized. Either way the block keeps the last forward's
+choices in `last_expert_ids [T, k]`, which the engine turns into experts read per window.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.target.config import ModelConfig
+
+
+class ExpertKernel(Protocol):
+    """Another way to run a whole `SparseMoE` (`quant.moe_kernel.NativeMoE`); the runner sets it."""
+
+    def run(self, block: "SparseMoE", x: torch.Tensor, norm: nn.Module | None,
+            residual: torch.Tensor | None) -> torch.Tensor | None:
+        """`residual + block(norm(x))` with `block.last_expert_ids` set; None where it cannot."""
+
+
+class Router(nn.Linear):
+    """The expert scores `[T, E]`; a plain linear the quantizers leave dense (`keep_dense`): its
+    argmaxes choose the experts, and llama.cpp keeps it in float too."""
+
+    keep_dense = True
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig, mlp_class: type[nn.Module]) -> None:
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.num_experts, self.top_k, self.norm_topk = moe.num_experts, moe.top_k, moe.norm_topk
+        self.gate = Router(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = nn.ModuleList(mlp_class(config, moe.expert_size) for _ in range(moe.num_experts))
+        self.shared_expert = mlp_class(config, moe.shared_expert_size) if moe.shared_expert_size else None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_expert_size else None
+        self.kernel: ExpertKernel | None = None  # see ExpertKernel
+        self.last_expert_ids: torch.Tensor | None = None  # [T, k] of the last forward
+
+    def _apply(self, fn, *args, **kwargs):
+        self.kernel = None  # .to() and friends: the kernel's table points at the old buffers
+        return super()._apply(fn, *args, **kwargs)
+
+    def __getstate__(self):
+        return {**super().__getstate__(), "kernel": None}
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(weights [T, k] in x's dtype, expert ids [T, k])`: softmax over every expert in fp32,
+        the top k, renormalized where the family does (transformers' routers)."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        norm: nn.Module | None = None,  # applied to x first
+        residual: torch.Tensor | None = None,  # [T, hidden]: returned plus the block's output
+    ) -> torch.Tensor:  # [T, hidden]
+        if self.kernel is not None and (out := self.kernel.run(self, x, norm, residual)) is not None:
+            return out
+        x = x if norm is None else norm(x)
+        weights, ids = self.route(x)
+        self.last_expert_ids = ids
+        out = torch.zeros_like(x)
+        for e in torch.unique(ids).tolist():
+            rows, slots = torch.where(ids == e)
+            y = self.experts[e](x[rows]) * weights[rows, slots, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out if residual is None else residual + out
+
+
+_STACKED = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+def split_stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with transformers' stacked experts (`mlp.experts.gate_up_proj [E, 2I, H]`,
+    `mlp.experts.down_proj [E, H, I]`) split into per-expert linears, as checkpoints store them.
+
+        >>> split_stacked_experts({"m.mlp.experts.down_proj": torch.zeros(2, 4, 3)}).keys()
+        dict_keys(['m.mlp.experts.0.down_proj.weight', 'm.mlp.experts.1.down_proj.weight'])
+    """
+    out = {}
+    for name, tensor in state.items():
+        m = _STACKED.fullmatch(name)
+        if m is None:
+            out[name] = tensor
+            continue
+        for e, w in enumerate(tensor):
+            if m["kind"] == "down_proj":
+                out[f"{m['prefix']}.{e}.down_proj.weight"] = w
+            else:
+                gate, up = w.chunk(2, dim=0)
+                out[f"{m['prefix']}.{e}.gate_proj.weight"] = gate
+                out[f"{m['prefix']}.{e}.up_proj.weight"] = up
+    return out
