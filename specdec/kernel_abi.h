@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 1
+#define SPECDEC_ABI_VERSION 2
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
@@ -34,10 +34,22 @@ struct specdec_linear {
     const float *bias; /* NULL: none */
 };
 
-/* One decoder layer's linears and RMSNorm weights [H] (dtype per decoder_layers' norm_bf16). */
+/* A mixture-of-experts MLP block (see moe_block): the router and each expert's QLinears. */
+struct specdec_moe {
+    const void *router;                       /* [E, H], bf16 or fp32 (router_bf16) */
+    const struct specdec_linear *gate_up;     /* [E]: expert e's gate | up, [2 I, H] */
+    const struct specdec_linear *down;        /* [E]: expert e's down, [H, I] */
+    const struct specdec_linear *shared_gate_up, *shared_down; /* NULL: no shared expert */
+    const void *shared_gate;                  /* [H], router's dtype; with a shared expert */
+    int64_t num_experts, top_k, hidden, router_bf16, norm_topk;
+};
+
+/* One decoder layer's linears and RMSNorm weights [H] (dtype per decoder_layers' norm_bf16);
+ * with `moe` set, the MLP is that block and gate_up / down are unused. */
 struct specdec_layer {
     struct specdec_linear qkv, o, gate_up, down;
     const void *input_norm, *post_attention_norm;
+    const struct specdec_moe *moe; /* NULL: the dense MLP */
 };
 
 /* One step's rotary tables and paged-cache geometry: everything rope_write_attend takes but a
@@ -72,10 +84,15 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
 int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t row_stride,
                       uint16_t *k_cache, uint16_t *v_cache, float scale, uint16_t *out, int threads);
 
-/* target/quant/decoder.c (built with qgemm.c and paged_attention.c) */
+/* target/quant/moe.c (built with qgemm.c) */
+int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e, const void *norm_w, int norm_bf16,
+              float eps, const void *residual, void *y, int32_t *expert_ids, int threads);
+
+/* target/quant/decoder.c (built with qgemm.c, moe.c and paged_attention.c) */
 int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *layers, int64_t num_layers,
                    int norm_bf16, float eps, const struct specdec_attention *a, uint16_t *kv, float scale,
-                   uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int threads);
+                   uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int32_t *expert_ids, int64_t top_k,
+                   int threads);
 
 /* target/quant/int4_quant.c */
 int int4_quantize_rows(const float *w, int64_t n, int64_t k, int64_t group, int32_t *q, uint16_t *scales_and_zeros,

@@ -14,7 +14,7 @@ import enum
 
 import torch
 
-ABI_VERSION = 1  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 2  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 MAX_HEAD_DIM = 512  # SPECDEC_MAX_HEAD_DIM: rope_write_attend's per-thread query buffer
@@ -81,12 +81,22 @@ class Linear(ctypes.Structure):
                 ("out_features", _I64), ("bias", _P)]
 
 
+class Moe(ctypes.Structure):
+    """`struct specdec_moe`: a mixture-of-experts block's router and expert QLinears."""
+
+    c_name = "specdec_moe"
+    _fields_ = [("router", _P), ("gate_up", ctypes.POINTER(Linear)), ("down", ctypes.POINTER(Linear)),
+                ("shared_gate_up", ctypes.POINTER(Linear)), ("shared_down", ctypes.POINTER(Linear)),
+                ("shared_gate", _P), ("num_experts", _I64), ("top_k", _I64), ("hidden", _I64),
+                ("router_bf16", _I64), ("norm_topk", _I64)]
+
+
 class Layer(ctypes.Structure):
-    """`struct specdec_layer`: one decoder layer's linears and RMSNorm weights."""
+    """`struct specdec_layer`: one decoder layer's linears and RMSNorm weights, or its MoE block."""
 
     c_name = "specdec_layer"
     _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
-                ("input_norm", _P), ("post_attention_norm", _P)]
+                ("input_norm", _P), ("post_attention_norm", _P), ("moe", ctypes.POINTER(Moe))]
 
 
 class Attention(ctypes.Structure):
@@ -106,7 +116,7 @@ class AbiEntry(ctypes.Structure):
     _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", _I64), ("size", _I64)]
 
 
-STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Layer, Attention, AbiEntry)
+STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Moe, Layer, Attention, AbiEntry)
 CONSTANTS = {"SPECDEC_GROUP": GROUP, "SPECDEC_TILE": TILE, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
              **{f"SPECDEC_{s.name}": int(s) for s in Status}}
 
@@ -117,9 +127,12 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "qgemm": (_I, [_P, _I, _I64, _I64, _I, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I, _F, _I]),
     # a, qkv, row_stride, k_cache, v_cache, scale, out, threads
     "rope_write_attend": (_I, [ctypes.POINTER(Attention), _P, _I64, _P, _P, _F, _P, _I]),
-    # h, num_rows, layers, num_layers, norm_bf16, eps, a, kv, scale, qkv, att, gate_up, threads
+    # x, x_bf16, m, block, norm_w, norm_bf16, eps, residual, y, expert_ids, threads
+    "moe_block": (_I, [_P, _I, _I64, ctypes.POINTER(Moe), _P, _I, _F, _P, _P, _P, _I]),
+    # h, num_rows, layers, num_layers, norm_bf16, eps, a, kv, scale, qkv, att, gate_up, expert_ids,
+    # top_k, threads
     "decoder_layers": (_I, [_P, _I64, ctypes.POINTER(Layer), _I64, _I, _F, ctypes.POINTER(Attention), _P,
-                            _F, _P, _P, _P, _I]),
+                            _F, _P, _P, _P, _P, _I64, _I]),
     # w, n, k, group, q, scales_and_zeros, sz_rows, with_error, err_sq, threads
     "int4_quantize_rows": (_I, [_P, _I64, _I64, _I64, _P, _P, _I64, _I, _P, _I]),
     # bytes, threads, repeats, out (bytes/s)

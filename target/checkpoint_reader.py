@@ -21,6 +21,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Protocol
 
@@ -128,6 +129,16 @@ class GGUFCheckpoint:
         self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
         to_hf = _saved_names(folder, lambda: gguf_to_hf_names(hf_config, self._processor))
         self._gguf_name = {to_hf[g]: g for g in self.file.tensors if g in to_hf}
+        self._expert: dict[str, tuple[str, int]] = {}  # per-expert name -> (stacked tensor, expert)
+        for gguf_name in self.file.tensors:
+            if gguf_name not in to_hf and (m := _DENSE_FFN.fullmatch(gguf_name)):  # a dense layer of an MoE arch
+                self._gguf_name[f"model.layers.{m['layer']}.mlp.{m['proj']}_proj.weight"] = gguf_name
+            if m := _STACKED_EXPERTS.fullmatch(gguf_name):
+                self._gguf_name.pop(to_hf.get(gguf_name), None)  # transformers' name for the whole stack
+                for e in range(self.file.tensors[gguf_name].shape[0]):
+                    name = f"model.layers.{m['layer']}.mlp.experts.{e}.{m['proj']}_proj.weight"
+                    self._gguf_name[name] = gguf_name
+                    self._expert[name] = (gguf_name, e)
 
     def names(self) -> list[str]:
         return list(self._gguf_name)
@@ -144,6 +155,9 @@ class GGUFCheckpoint:
         self.file.data.release_pages()
 
     def read(self, name: str) -> torch.Tensor:
+        if name in self._expert:  # one expert of a stacked tensor: only its blocks are dequantized
+            gguf_name, e = self._expert[name]
+            return torch.from_numpy(self.file.dequantize_slice(gguf_name, e)).float()
         gguf_name = self._gguf_name[name]
         weights = self._processor.process(weights=self.file.dequantize(gguf_name), name=gguf_name).weights
         if not (weights.flags.writeable and weights.flags.c_contiguous):  # a view of the mapped file
@@ -218,9 +232,23 @@ _TEXT_PREFIXES = (("model.", "model.language_model."), ("model.", "language_mode
 _IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
+# llama.cpp stacks an MoE layer's experts: `blk.{i}.ffn_{gate,up,down}_exps.weight [E, out, in]`
+_STACKED_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+# ... and its dense layers' MLP as in dense models (gguf-py's MoE tables do not list them)
+_DENSE_FFN = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)\.weight")
+# Mixtral's checkpoints name its sparse MLP `block_sparse_moe` and an expert's gate / up / down
+# projections w1 / w3 / w2.
+_MIXTRAL = re.compile(r"(?P<layer>.*)\.mlp\.(?P<rest>gate\.weight|experts\.\d+\.(?P<proj>gate|up|down)_proj\.weight)$")
+_MIXTRAL_W = {"gate": "w1", "up": "w3", "down": "w2"}
+
+
 def _candidates(name: str) -> list[str]:
     """Where a parameter of the text model may sit in a checkpoint, most likely first."""
-    return [name] + [new + name[len(old):] for old, new in _TEXT_PREFIXES if name.startswith(old)]
+    names = [name] + [new + name[len(old):] for old, new in _TEXT_PREFIXES if name.startswith(old)]
+    if m := _MIXTRAL.fullmatch(name):
+        rest = m["rest"] if m["proj"] is None else m["rest"].replace(f"{m['proj']}_proj", _MIXTRAL_W[m["proj"]])
+        names.append(f"{m['layer']}.block_sparse_moe.{rest}")
+    return names
 
 
 def is_image_part(name: str) -> bool:

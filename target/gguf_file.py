@@ -171,6 +171,17 @@ class GGUFFile:
         return dequantize(self.raw(name), info.ggml_type).reshape(info.shape).numpy()
 
 
+    def dequantize_slice(self, name: str, index: int) -> np.ndarray:
+        """`tensor[index]` of a stacked tensor (an MoE layer's experts `[E, out, in]`) as float32
+        `shape[1:]`, dequantizing only its blocks."""
+        from specdec.target.gguf_dequant import dequantize
+
+        info = self.tensors[name]
+        if not 0 <= index < info.shape[0]:
+            raise IndexError(f"{name} has {info.shape[0]} slices, not {index + 1}")
+        return dequantize(self.raw(name)[index], info.ggml_type).reshape(info.shape[1:]).numpy()
+
+
 def _string(data: np.ndarray, pos: int) -> tuple[str, int]:
     (length,) = struct.unpack_from("<Q", data, pos)
     return bytes(data[pos + 8 : pos + 8 + length]).decode("utf-8"), pos + 8 + length

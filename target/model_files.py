@@ -245,6 +245,10 @@ def gguf_config(gguf: GGUFFile):
     arch = meta["general.architecture"]
     # llama.cpp writes Mistral as llama; transformers tells them apart by general.name alone
     updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else arch
+    updated = _GGUF_MOE_ARCHS.get(arch, updated)
+    if "llama" in arch and meta.get(f"{arch}.expert_count"):
+        raise UnsupportedModelError(f"{gguf.path.name}: a Mixtral GGUF (llama with experts) is not supported yet; "
+                                    "load Mixtral from its Hugging Face folder")
     if arch not in GGUF_SUPPORTED_ARCHITECTURES and updated not in GGUF_SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"{gguf.path.name}: GGUF architecture {arch!r} is not supported")
     config = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
@@ -261,10 +265,24 @@ def gguf_config(gguf: GGUFFile):
         if new_key not in (None, -1):
             config[new_key] = value
     config.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))  # an array read as its length
+    if arch in _GGUF_MOE_ARCHS:  # what transformers' GGUF table leaves out: the expert widths,
+        for key, name in _GGUF_MOE_WIDTHS.items():
+            if f"{arch}.{key}" in meta:
+                config[name] = meta[f"{arch}.{key}"]
+        # and the dense layers among the sparse ones (those without a router)
+        layers = meta[f"{arch}.block_count"]
+        config["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors]
     model_type = config.pop("model_type")
     hf_config = AutoConfig.for_model(model_type, **config)
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)]
     return hf_config
+
+
+# llama.cpp's names of the MoE architectures -> transformers' model types
+_GGUF_MOE_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+# expert widths in a GGUF's metadata -> config fields (transformers' table reads neither)
+_GGUF_MOE_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
+                    "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 
 
 def _link_weights(folder: Path, gguf_file: Path) -> None:

@@ -9,7 +9,7 @@ import torch
 from specdec.cache import BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata
 from specdec.cache.attention import check_backend
 from specdec.target.model import LlamaForCausalLM
-from specdec.target.quant.decoder_stack import NativeDecoderStack
+from specdec.target.quant.decoder_stack import NativeDecoderStack, attach_moe
 
 
 @dataclass
@@ -53,7 +53,9 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.pool = BlockPool(kv_cache.num_blocks)
         self.device = model.model.norm.weight.device
-        # The weights are final here: run the layers from C where they fit, else the Python loop.
+        # The weights are final here: run MoE blocks and the layers from C where they fit, else
+        # the Python loop (and the blocks' torch forward).
+        attach_moe(model)
         model.use_layer_stack(NativeDecoderStack.build(model))
 
     @staticmethod

@@ -65,7 +65,8 @@ def quantize_linears(
     quant = MODES[mode]
     counts = {**{name: 0 for name in FORMATS}, "dense": 0}
     targets = [(n, m) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and (not prefix or n == prefix or n.startswith(prefix + "."))]
+               if isinstance(m, nn.Linear) and not getattr(m, "keep_dense", False)  # an MoE router
+               and (not prefix or n == prefix or n.startswith(prefix + "."))]
     for name, linear in tqdm(targets, desc=f"quantizing to {mode} (once; cached)", unit="linear",
                              leave=False, disable=not progress):
         new = quant.from_linear(linear)

@@ -8,6 +8,8 @@
  *   h   = h + o_proj(att)                            qgemm, residual fused
  *   h   = h + down_proj(silu(gate) * up),            qgemm, SiLU-GLU and residual fused,
  *         gate | up = gate_up_proj(rmsnorm(h))       qgemm, norm fused
+ *     or, in a mixture-of-experts layer,
+ *   h   = h + moe(rmsnorm(h))                        moe_block (router, experts, shared expert)
  * These are the calls the Python layer loop makes (`LlamaForCausalLM` with `QLinear` layers), with
  * the same arguments in the same order, so the result is bitwise the same; what goes away is the
  * Python between them (~2 ms a step, 13% of a draft forward).
@@ -19,11 +21,13 @@
 
 /* h [T, H] bf16 through `num_layers` layers, in place. kv: the cache [L, 2, N, S, Hkv, D] bf16
  * (a->num_slots = N * S). Scratch: qkv [T, (Hq + 2 Hkv) D], att [T, Hq D], gate_up [T, 2 I], all
- * bf16. Returns SPECDEC_OK or the first failing call's status. */
+ * bf16. A layer with `moe` runs its MLP as moe_block, which writes the rows' experts into
+ * expert_ids [L, T, top_k] (NULL: not kept). Returns SPECDEC_OK or the first failing call's status. */
 int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *layers, int64_t num_layers,
                    int norm_bf16, float eps, const struct specdec_attention *a, uint16_t *kv, float scale,
-                   uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int threads) {
-    if (!h || !layers || !a || !kv || !qkv || !att || !gate_up || num_rows < 0 || num_layers < 0)
+                   uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int32_t *expert_ids, int64_t top_k,
+                   int threads) {
+    if (!h || !layers || !a || !kv || !qkv || !att || !gate_up || num_rows < 0 || num_layers < 0 || top_k < 0)
         return SPECDEC_ERR_INVALID_ARGUMENT;
     const int64_t layer_elems = a->num_slots * a->hkv * a->d; /* one of K or V of one layer */
     for (int64_t i = 0; i < num_layers; i++) {
@@ -38,6 +42,13 @@ int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *la
         rc = qgemm(att, 1, num_rows, o->in_features, 0, o->tiles, o->tile_offsets, o->tile_bits,
                    o->out_features, o->bias, h, h, 1, NULL, 0, 0.0f, threads);
         if (rc != SPECDEC_OK) return rc;
+        if (l->moe) {
+            if (l->moe->top_k != top_k) return SPECDEC_ERR_INVALID_ARGUMENT;
+            rc = moe_block(h, 1, num_rows, l->moe, l->post_attention_norm, norm_bf16, eps, h, h,
+                           expert_ids ? expert_ids + i * num_rows * top_k : NULL, threads);
+            if (rc != SPECDEC_OK) return rc;
+            continue;
+        }
         rc = qgemm(h, 1, num_rows, gu->in_features, 0, gu->tiles, gu->tile_offsets, gu->tile_bits,
                    gu->out_features, gu->bias, NULL, gate_up, 1, l->post_attention_norm, norm_bf16, eps, threads);
         if (rc != SPECDEC_OK) return rc;

@@ -15,18 +15,30 @@ import torch
 from specdec import kernel_abi, native
 from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention
 from specdec.kernel_abi import check_tensor
+from specdec.target.moe import SparseMoE
 from specdec.target.quant import qgemm
+from specdec.target.quant.moe_kernel import NativeMoE
 from specdec.target.quant.qlinear import QLinear
 from specdec.target.rope import Rotation
 
-# qgemm and rope_write_attend in one library, so decoder.c calls them directly (linked, checked
-# against kernel_abi.h by the compiler) rather than through a pointer passed in from Python.
-SOURCES = (qgemm.SOURCE.with_name("decoder.c"), qgemm.SOURCE, cpu_attention.SOURCE)
+# qgemm, moe_block and rope_write_attend in one library, so decoder.c calls them directly (linked,
+# checked against kernel_abi.h by the compiler) rather than through a pointer passed in from Python.
+SOURCES = (qgemm.SOURCE.with_name("decoder.c"), qgemm.SOURCE, qgemm.SOURCE.with_name("moe.c"), cpu_attention.SOURCE)
 
 
 def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
     """The library for `level` (None: the one this machine runs; see `native.simd_kernel`)."""
-    return native.simd_kernel(SOURCES, ("decoder_layers",), level, qgemm.HEADERS)
+    return native.simd_kernel(SOURCES, ("decoder_layers", "moe_block"), level, qgemm.HEADERS)
+
+
+def attach_moe(model) -> int:
+    """Give every MoE block of `model` whose experts fit its `NativeMoE` (the rest keep their
+    torch forward); returns how many took one. Call after the last change to the weights."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    lib = kernel().load() if blocks and any(NativeMoE.fits(b) for b in blocks) else None
+    for block in blocks:
+        block.kernel = NativeMoE.build(block, lib)
+    return sum(block.kernel is not None for block in blocks)
 
 
 class NativeDecoderStack:
@@ -41,16 +53,23 @@ class NativeDecoderStack:
         self.num_q_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.scale = first.scale
         self.hidden = layers[0].input_layernorm.weight.shape[0]
-        self.intermediate = layers[0].mlp.down_proj.in_features
+        dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoE)]
+        self.intermediate = max((mlp.down_proj.in_features for mlp in dense), default=kernel_abi.TILE)
+        self.moe_blocks = [(i, layer.mlp) for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE)]
+        self.top_k = self.moe_blocks[0][1].top_k if self.moe_blocks else 0
         norm = layers[0].input_layernorm
         self.eps, self.norm_bf16 = norm.eps, norm.weight.dtype == torch.bfloat16
         self._refs: list[torch.Tensor] = []  # keeps every buffer the table points to alive
         self.table = (kernel_abi.Layer * self.num_layers)()  # decoder.c's layers
         for row, layer in zip(self.table, layers):
             attn, mlp = layer.self_attn, layer.mlp
-            for field, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                  ("down", mlp.down_proj)):
+            for field, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj)):
                 setattr(row, field, self._linear(linear))
+            if isinstance(mlp, SparseMoE):  # its NativeMoE holds what its table points to
+                self._refs.append(mlp.kernel)
+                row.moe = ctypes.pointer(mlp.kernel.table)
+            else:
+                row.gate_up, row.down = self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj)
             row.input_norm = self._ptr("input_layernorm.weight", layer.input_layernorm.weight)
             row.post_attention_norm = self._ptr("post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
 
@@ -71,20 +90,23 @@ class NativeDecoderStack:
     @classmethod
     def build(cls, model) -> "NativeDecoderStack | None":
         """The stack of a model whose every layer fits `decoder.c`, else None (the Python loop
-        runs): q/k/v and gate/up fused, all four linears `QLinear`, RMSNorm weights of one dtype
-        (bf16 or fp32) and eps, head_dim a multiple of 32 (at most `MAX_HEAD_DIM`), and the
-        kernels built."""
+        runs): q/k/v and gate/up fused, all four linears `QLinear` (an MoE layer: its block has a
+        `NativeMoE`, all of one top k), RMSNorm weights of one dtype (bf16 or fp32) and eps,
+        head_dim a multiple of 32 (at most `MAX_HEAD_DIM`), and the kernels built."""
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not layers:
             return None
         norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
         fits = (
             all(
                 isinstance(m, QLinear)
                 for layer in layers
-                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
-                          getattr(layer.mlp, "down_proj", None))
+                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+                + (() if isinstance(layer.mlp, SparseMoE) else (layer.mlp.gate_up_proj, layer.mlp.down_proj))
             )
+            and all(isinstance(b.kernel, NativeMoE) for b in blocks)
+            and len({b.top_k for b in blocks}) <= 1
             and len({(n.weight.dtype, n.eps) for n in norms}) == 1
             and norms[0].weight.dtype in (torch.bfloat16, torch.float32)
             and layers[0].self_attn.head_dim % 32 == 0
@@ -118,10 +140,13 @@ class NativeDecoderStack:
         qkv = h.new_empty(t, (hq + 2 * hkv) * d)
         att = h.new_empty(t, hq * d)
         gate_up = h.new_empty(t, 2 * self.intermediate)
+        expert_ids = torch.empty(self.num_layers, t, self.top_k, dtype=torch.int32) if self.top_k else None
         rc = self.lib.decoder_layers(
             h.data_ptr(), t, self.table, self.num_layers, self.norm_bf16, self.eps, ctypes.byref(attention),
             kv_cache.kv.data_ptr(), self.scale, qkv.data_ptr(), att.data_ptr(), gate_up.data_ptr(),
-            torch.get_num_threads(),
+            None if expert_ids is None else expert_ids.data_ptr(), self.top_k, torch.get_num_threads(),
         )
         kernel_abi.raise_for_status(rc, "decoder_layers")
+        for i, block in self.moe_blocks:
+            block.last_expert_ids = expert_ids[i]
         return True

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.target.moe import SparseMoE
+
 ALPHA = 0.5
 # The linears of a decoder layer whose input maxima smoothing reads (q/k/v share q's input,
 # gate/up share gate's); the LM head's is read as "lm_head".
@@ -109,17 +111,21 @@ def smooth_layer(model: nn.Module, i: int, stats: dict[str, torch.Tensor], alpha
     layer = model.model.layers[i]
     prefix = f"model.layers.{i}."
     attn, mlp = layer.self_attn, layer.mlp
+    # an MoE block's experts share one norm with a router that must see the unscaled input: its
+    # MLP side is left unsmoothed
+    dense = not isinstance(mlp, SparseMoE)
     for norm, linears, name in (
         (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj"),
-        (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj"),
+        *([(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj")] if dense else []),
     ):
         s = _factors(linears, stats[prefix + name], alpha)
         _scale_(norm.weight, 1 / s)
         for lin in linears:
             _scale_(lin.weight, s)
-    s = _factors([mlp.down_proj], stats[prefix + "mlp.down_proj"], alpha)
-    _scale_(mlp.up_proj.weight, (1 / s)[:, None])
-    _scale_(mlp.down_proj.weight, s)
+    if dense:
+        s = _factors([mlp.down_proj], stats[prefix + "mlp.down_proj"], alpha)
+        _scale_(mlp.up_proj.weight, (1 / s)[:, None])
+        _scale_(mlp.down_proj.weight, s)
     s = _factors([attn.o_proj], stats[prefix + "self_attn.o_proj"], alpha)
     s = s.view(cfg.num_kv_heads, group, cfg.head_dim).amax(1)  # [Hkv, D]: one per v channel
     _scale_(attn.v_proj.weight, (1 / s).reshape(-1, 1))

@@ -75,7 +75,7 @@ REFUSALS = """
 import ctypes
 from specdec import kernel_abi, native
 from specdec.target.quant import decoder_stack
-lib = native.open_library(decoder_stack.kernel().build(), ("decoder_layers", "qgemm", "rope_write_attend"))
+lib = native.open_library(decoder_stack.kernel().build(), ("decoder_layers", "qgemm", "rope_write_attend", "moe_block"))
 buf = (ctypes.c_uint16 * 64)()
 a = kernel_abi.Attention(slots=ctypes.addressof(buf), block_tables=ctypes.addressof(buf),
                          seq_lens=ctypes.addressof(buf), query_start_loc=ctypes.addressof(buf),
@@ -83,7 +83,9 @@ a = kernel_abi.Attention(slots=ctypes.addressof(buf), block_tables=ctypes.addres
 layers = (kernel_abi.Layer * 1)()
 print(lib.qgemm(buf, 1, 1, 48, 0, buf, buf, buf, 16, None, None, buf, 1, None, 0, 0.0, 1),  # k % 32
       lib.rope_write_attend(ctypes.byref(a), buf, 256, buf, buf, 1.0, buf, 1),
-      lib.decoder_layers(None, 1, layers, 1, 0, 0.0, ctypes.byref(a), buf, 1.0, buf, buf, buf, 1))
+      lib.decoder_layers(None, 1, layers, 1, 0, 0.0, ctypes.byref(a), buf, 1.0, buf, buf, buf, None, 0, 1),
+      lib.moe_block(buf, 1, 1, ctypes.byref(kernel_abi.Moe(top_k=3, num_experts=2, hidden=64)), None, 0, 0.0,
+                    None, buf, None, 1))  # more experts a token than there are
 """
 
 
@@ -94,7 +96,7 @@ def test_each_kernel_refuses_bad_arguments_with_a_status(cache):
         pytest.skip("this compiler put AVX-512 instructions before the kernels' argument checks")
     assert done.returncode == 0, done.stderr
     codes = [int(c) for c in done.stdout.split()]
-    assert codes == [kernel_abi.Status.ERR_INVALID_ARGUMENT] * 3
+    assert codes == [kernel_abi.Status.ERR_INVALID_ARGUMENT] * 4
     with pytest.raises(ValueError, match="^qgemm: refused its arguments"):
         kernel_abi.raise_for_status(codes[0], "qgemm")
 
