@@ -16,21 +16,23 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attentio
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 
+# per family: every feature on (a dense layer among sparse ones, a shared expert, renormalized and
+# plain top k, OLMoE's clipping)
+_FAMILY = {
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=3)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=4.0)),
+}
+
+
 def moe_hf_config(family: str, **overrides):
     import transformers as tf
 
-    shape = {**SHAPE, **overrides}
-    if family == "qwen3_moe":  # layer 1 dense (mlp_only_layers), top 2 of 8 renormalized
-        return tf.Qwen3MoeConfig(**shape, head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-                                 num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
-    if family == "qwen2_moe":  # a shared expert with its sigmoid gate; top 3 of 8 not renormalized
-        return tf.Qwen2MoeConfig(**shape, intermediate_size=96, moe_intermediate_size=32,
-                                 shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=3)
-    if family == "mixtral":
-        return tf.MixtralConfig(**shape, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)
-    if family == "olmoe":
-        return tf.OlmoeConfig(**shape, intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=4.0)
-    raise AssertionError(family)
+    name, features = _FAMILY[family]
+    return getattr(tf, name)(**{**SHAPE, **features, **overrides})
 
 
 _MODELS: dict = {}
