@@ -88,6 +88,7 @@ class EngineSnapshot:
     num_running: int = 0
     acceptance: dict[str, Any] = field(default_factory=dict)
     drafted_per_position: tuple[int, ...] = ()
+    experts: dict[str, Any] = field(default_factory=dict)  # an MoE target's `ExpertStats.as_dict()`
     # the keys of the blocks the target's prefix cache holds (only with `AsyncEngine.publish_keys`:
     # a replica reports them to the router)
     cached_keys: tuple[bytes, ...] = ()
@@ -329,6 +330,7 @@ class AsyncEngine:
             num_running=len(scheduler.running),
             acceptance=engine.stats.as_dict(),
             drafted_per_position=tuple(self._drafted_per_position),
+            experts={} if engine.expert_stats is None else engine.expert_stats.as_dict(),
             cached_keys=engine.cached_block_keys() if self.publish_keys else (),
         )
 

@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
             logprobs.setdefault(delta.request_id, []).extend(delta.logprobs or [])
     finally:  # an interrupted run must still hand the terminal back from the live region
         printer.close(time.perf_counter() - t_start)
+    if engine.expert_stats is not None and not args.quiet_stats:
+        err.print(f"[dim]{engine.expert_stats.summary()}[/dim]")
     if params.logprobs is not None:
         for request_id, entries in logprobs.items():
             out.print(logprobs_table(entries, engine.tokenizer, request_id if len(logprobs) > 1 else None))

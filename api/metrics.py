@@ -95,6 +95,8 @@ class _EngineCollector:
         yield blocks
         yield from self._prefix_cache(snap.prefix_cache)
         yield from self._acceptance(snap.acceptance, snap.drafted_per_position)
+        if snap.experts:
+            yield from self._experts(snap.experts)
         extra = getattr(engine, "extra_metrics", None)  # engine replicas: routing and per-replica hits
         if extra is not None:
             yield from extra()
@@ -112,6 +114,25 @@ class _EngineCollector:
             hits.add_metric([pool], counts["hit_tokens"])
         yield queried
         yield hits
+
+    @staticmethod
+    def _experts(experts: dict) -> Iterator[Metric]:
+        """An MoE target: the experts its verify windows read (distinct, a layer, averaged over layers)."""
+        yield CounterMetricFamily("specdec_moe_verify_windows", "Decoding windows an MoE target verified",
+                                  value=experts["num_windows"])
+        yield GaugeMetricFamily("specdec_moe_experts_per_window",
+                                "Distinct experts a layer read per verify window since start", value=experts["experts_per_window"])
+        yield GaugeMetricFamily("specdec_moe_experts_per_row",
+                                "Distinct experts a layer read per verified row since start (one-row windows: top k)",
+                                value=experts["experts_per_row"])
+        yield GaugeMetricFamily("specdec_moe_experts_per_forward",
+                                "Distinct experts a layer read per verify forward (all windows of a step)",
+                                value=experts["experts_per_forward"])
+        by_rows = GaugeMetricFamily("specdec_moe_experts_by_window_rows",
+                                    "Distinct experts a layer read per verify window, by the window's rows", labels=["rows"])
+        for rows, value in experts["experts_by_window_rows"].items():
+            by_rows.add_metric([str(rows)], value)
+        yield by_rows
 
     @staticmethod
     def _acceptance(acceptance: dict, drafted: tuple[int, ...]) -> Iterator[Metric]:

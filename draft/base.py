@@ -145,17 +145,20 @@ class StepTimings:
 
     `draft`: (rows fed, seconds) per draft-model forward; a model-free proposer records one entry
     per step, (rows drafting, seconds per drafted position). `verify`: (rows, seconds) of the
-    target forward that verified. The engine clears both when a step starts.
+    target forward that verified; with an MoE target `verify_experts`, the distinct experts a layer
+    its decoding rows read (`expert_stats`). The engine clears them when a step starts.
     """
 
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
         self.draft: list[tuple[int, float]] = []
         self.verify: list[tuple[int, float]] = []
+        self.verify_experts: float | None = None
 
     def clear(self) -> None:
         self.draft.clear()
         self.verify.clear()
+        self.verify_experts = None
 
     @contextmanager
     def timing(

@@ -32,6 +32,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from specdec.draft import StepTimings
 
@@ -105,6 +107,61 @@ class CostTable:
         return self.seconds[nearest]
 
 
+class ExpertPricedCost(CostTable):
+    """An MoE target's verify forwards priced through the experts they read:
+    rows -> distinct experts a layer -> seconds, each link measured.
+
+    rows -> experts: the average measured for that many rows; for row counts never verified, the
+    uniform-routing curve `E (1 - (1 - k/E)^rows)` scaled to the nearest measured count (real
+    routers repeat experts between neighbouring tokens, so measured counts sit below the curve).
+    experts -> seconds: least squares of the measured forwards' seconds on (1, experts, rows),
+    exponentially forgetting (weights come and go with the load), once three different expert
+    counts were seen; until then, and where the fit is not usable, the rows table (`CostTable`).
+
+    A dense table extends past its largest measured row count along a line, but an MoE forward's
+    expert count saturates at E, so speculation on a sparse target is priced by what it reads.
+    """
+
+    def __init__(self, num_experts: int, top_k: int, prior: float | None) -> None:
+        super().__init__(prior)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.experts_by_rows: dict[int, float] = {}  # EMA of distinct experts a layer per rows
+        self._xtx = torch.zeros(3, 3, dtype=torch.float64)  # forgetting sums of the normal equations
+        self._xty = torch.zeros(3, dtype=torch.float64)
+        self._seen: set[int] = set()  # rounded expert counts observed
+
+    def observe_experts(self, rows: int, experts: float, seconds: float) -> None:
+        old = self.experts_by_rows.get(rows)
+        self.experts_by_rows[rows] = experts if old is None else (1 - COST_EMA) * old + COST_EMA * experts
+        x = torch.tensor([1.0, experts, float(rows)], dtype=torch.float64)
+        self._xtx.mul_(1 - COST_EMA / 4).add_(torch.outer(x, x))
+        self._xty.mul_(1 - COST_EMA / 4).add_(x * seconds)
+        self._seen.add(round(experts))
+
+    def uniform_experts(self, rows: int) -> float:
+        """Distinct experts a layer for `rows` rows under uniform routing."""
+        e, k = self.num_experts, self.top_k
+        return e * (1 - (1 - k / e) ** rows)
+
+    def experts(self, rows: int) -> float:
+        if rows in self.experts_by_rows:
+            return self.experts_by_rows[rows]
+        if not self.experts_by_rows:
+            return self.uniform_experts(rows)
+        nearest = min(self.experts_by_rows, key=lambda r: (abs(r - rows), r))
+        scale = self.experts_by_rows[nearest] / self.uniform_experts(nearest)
+        return min(float(self.num_experts), scale * self.uniform_experts(rows))
+
+    def __call__(self, size: int) -> float:
+        if len(self._seen) >= 3:
+            ridge = torch.eye(3, dtype=torch.float64) * 1e-9
+            coef = torch.linalg.solve(self._xtx + ridge, self._xty)
+            seconds = float(coef @ torch.tensor([1.0, self.experts(size), float(size)], dtype=torch.float64))
+            if coef[1] >= 0 and seconds > 0:
+                return seconds
+        return super().__call__(size)
+
+
 DRAFT_PRIOR_RATIO = 0.3  # an unmeasured draft step is priced at this share of a target forward
 
 
@@ -116,13 +173,15 @@ class SpeculationPolicy:
     fills the target's table first cannot price speculation out before it was ever tried.
     """
 
-    def __init__(self) -> None:
-        self.verify_cost = CostTable(prior=1.0)  # one target forward, by rows
+    def __init__(self, routing: tuple[int, int] | None = None) -> None:
+        self.routing = routing  # an MoE target's (experts, top k): its verify forwards priced by experts read
+        # one target forward, by rows
+        self.verify_cost = CostTable(prior=1.0) if routing is None else ExpertPricedCost(*routing, prior=1.0)
         self.draft_cost = CostTable(prior=None)  # one draft forward, by rows fed
 
     def forget(self) -> None:
         """Drop every timing measured so far (warm-up's first, cold pass)."""
-        self.__init__()
+        self.__init__(self.routing)
 
     def observe(self, timings: StepTimings) -> None:
         """Learn from one step's timed forwards: the draft model's (or a model-free proposer's
@@ -131,6 +190,8 @@ class SpeculationPolicy:
             self.draft_cost.observe(rows, seconds)
         for rows, seconds in timings.verify:
             self.verify_cost.observe(rows, seconds)
+            if timings.verify_experts is not None and isinstance(self.verify_cost, ExpertPricedCost):
+                self.verify_cost.observe_experts(rows, timings.verify_experts, seconds)
 
     def draft_forward_cost(self, rows: int) -> float:
         if self.draft_cost.seconds or self.draft_cost.prior is not None:

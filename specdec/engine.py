@@ -15,6 +15,7 @@ from specdec.draft import (
     DraftModelProposer, DraftOutput, HybridProposer, NgramProposer, Proposer, SamplingTensors, StepPlan,
     StepTimings,
 )
+from specdec.expert_stats import ExpertStats
 from specdec.planner import StepPlanner
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ChunkBudget, Scheduler
@@ -74,7 +75,7 @@ class Engine:
         self.proposer = self._build_proposer(draft_runner)
         self.runners = [self.target] + ([draft_runner] if self.proposer is not None and draft_runner else [])
         self.verifier = Verifier(self.target, self.timings)
-        self.policy = SpeculationPolicy() if config.adaptive_k and self.proposer is not None else None
+        self.policy = SpeculationPolicy(self.target.routing) if config.adaptive_k and self.proposer is not None else None
         self.timings.enabled = self.policy is not None
         self.max_model_len = self._max_model_len(draft_runner)
         draft_pool = self.proposer.pool if self.proposer is not None else None
@@ -429,9 +430,16 @@ class Engine:
         what a router matches a request's prompt against."""
         return self.target.pool.cached_keys()
 
+    @property
+    def expert_stats(self) -> ExpertStats | None:
+        """Experts an MoE target's verify windows read since start (None for a dense target)."""
+        return self.verifier.expert_stats
+
     def reset_stats(self) -> None:
         """Zero the counters users read: acceptance, and prefix-cache lookups per pool."""
         self.stats = AcceptanceStats()
+        if self.expert_stats is not None:
+            self.verifier.expert_stats = ExpertStats(*self.target.routing)
         for pool in self._pools().values():
             pool.stats = type(pool.stats)()
 

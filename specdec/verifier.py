@@ -15,6 +15,7 @@ import itertools
 import torch
 
 from specdec.draft import DraftOutput, SamplingTensors, StepPlan, StepTimings
+from specdec.expert_stats import ExpertStats
 from specdec.sequence import Sequence, TokenLogprobs
 from specdec.target.runner import ModelRunner, Window
 from specdec.verify import VerifyOutput, rejection_sample
@@ -26,6 +27,8 @@ class Verifier:
     def __init__(self, target: ModelRunner, timings: StepTimings) -> None:
         self.target, self.timings = target, timings
         self.num_decode_rows = 0  # rows of decoding sequences' windows in the latest forward
+        routing = target.routing  # an MoE target: the experts its verify windows read
+        self.expert_stats = None if routing is None else ExpertStats(*routing)
 
     def forward(self, plan: StepPlan, draft: DraftOutput) -> torch.Tensor:
         """Logits `[sum(n_b + 1), V]` of every row's window; the fills' full blocks go to the
@@ -38,7 +41,19 @@ class Verifier:
         with self.timings.timing(records, sum(len(w.token_ids) for w in windows), self.target.device):
             logits = self.target.forward(windows)
         _cache_full_blocks(fills)
+        if self.expert_stats is not None:
+            self._count_experts(plan, windows)
         return logits
+
+    def _count_experts(self, plan: StepPlan, windows: list[Window]) -> None:
+        """Record the experts the decoding windows (not prefill chunks) read this forward."""
+        spans, at = [], 0
+        for i, w in enumerate(windows):
+            if i < len(plan.rows) and plan.rows[i].seq.num_pending <= 1:
+                spans.append((at, at + len(w.token_ids)))
+            at += len(w.token_ids)
+        if spans:
+            self.timings.verify_experts = self.expert_stats.record(self.target.expert_ids(), spans)
 
     @staticmethod
     def accept(

@@ -9,6 +9,7 @@ import torch
 from specdec.cache import BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata
 from specdec.cache.attention import check_backend
 from specdec.target.model import LlamaForCausalLM
+from specdec.target.moe import SparseMoE
 from specdec.target.quant.decoder_stack import NativeDecoderStack, attach_moe
 
 
@@ -53,6 +54,7 @@ class ModelRunner:
         self.block_size = kv_cache.spec.block_size
         self.pool = BlockPool(kv_cache.num_blocks)
         self.device = model.model.norm.weight.device
+        self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
         # The weights are final here: run MoE blocks and the layers from C where they fit, else
         # the Python loop (and the blocks' torch forward).
         attach_moe(model)
@@ -98,6 +100,19 @@ class ModelRunner:
         tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
         weights = sum(t.numel() * t.element_size() for t in tensors.values())
         return weights, self.kv_cache.kv.numel() * self.kv_cache.kv.element_size()
+
+    @property
+    def routing(self) -> tuple[int, int] | None:
+        """(experts, top k) of an MoE model; None for a dense one."""
+        moe = self.model.config.moe
+        return None if moe is None else (moe.num_experts, moe.top_k)
+
+    def expert_ids(self) -> torch.Tensor | None:
+        """`[L, T, k]`: the experts each row of the latest forward chose in each MoE layer; None
+        for a dense model."""
+        if not self.moe_blocks:
+            return None
+        return torch.stack([b.last_expert_ids for b in self.moe_blocks]).cpu()
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.pool, self.block_size)

@@ -42,3 +42,22 @@ def test_each_app_has_its_own_registry(serve, make_engine):
                                                        "ignore_eos": True}, timeout=30)
         assert metric(first, 'specdec_requests_total{outcome="length"}') == 1
         assert metric(second, 'specdec_requests_total{outcome="length"}') == 0
+
+
+def test_an_moe_target_reports_the_experts_its_windows_read(serve, tiny_parts):
+    from specdec.config import EngineConfig
+    from specdec.engine import Engine
+    from specdec.testing import from_hf
+    from tests.target.moe_models import moe_hf_model
+
+    tokenizer = tiny_parts[2]
+    target, draft = (from_hf(moe_hf_model("qwen3_moe", seed, vocab_size=len(tokenizer), num_hidden_layers=layers))
+                     for seed, layers in ((0, 3), (1, 1)))
+    config = EngineConfig(dtype="float32", num_blocks=128, block_size=8, num_speculative_tokens=3, adaptive_k=False)
+    with serve(Engine.from_models(config, target, draft, tokenizer)) as srv:
+        body = chat_body(max_tokens=12, temperature=0, ignore_eos=True)
+        assert httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        assert metric(srv, "specdec_moe_verify_windows_total") > 0
+        assert 2 <= metric(srv, "specdec_moe_experts_per_window") <= 8  # top 2 of 8
+        assert metric(srv, "specdec_moe_experts_per_row") <= 2
+        assert metric(srv, 'specdec_moe_experts_by_window_rows{rows="4"}') >= 2
