@@ -94,11 +94,42 @@ def run(args: argparse.Namespace) -> int:
     root = cache_dir()
     entries = scan_cache(root)
     show_pair(console, pair_status())
+    show_families(console)
     show_cache(console, root, entries)
     if args.remove_cache:
         return remove_cache(console, root, entries, assume_yes=args.yes)
     show_removal(console, root, entries)
     return 0
+
+
+# architecture -> (family, what it adds, the GGUF architecture llama.cpp writes, or "" where specdec
+# reads only its HF folder)
+FAMILIES = {
+    "LlamaForCausalLM": ("Llama (incl. 3.x rope scaling)", "dense", "llama"),
+    "Qwen2ForCausalLM": ("Qwen2 / Qwen2.5", "dense, q/k/v bias", "qwen2"),
+    "MistralForCausalLM": ("Mistral", "dense, sliding window", "llama"),
+    "Qwen3ForCausalLM": ("Qwen3", "dense, q/k norms", "qwen3"),
+    "Gemma2ForCausalLM": ("Gemma 2", "dense, soft-capping, sliding window", "gemma2"),
+    "Gemma3ForCausalLM": ("Gemma 3", "dense, local / global rope", "gemma3"),
+    "Phi3ForCausalLM": ("Phi-3 / 3.5", "dense, fused projections", "phi3"),
+    "Qwen3MoeForCausalLM": ("Qwen3-MoE (30B-A3B, 235B-A22B)", "MoE: softmax, top k, renormalized", "qwen3moe"),
+    "Qwen2MoeForCausalLM": ("Qwen2-MoE / Qwen1.5-MoE", "MoE + a shared expert (sigmoid gate)", "qwen2moe"),
+    "MixtralForCausalLM": ("Mixtral", "MoE: top 2 of 8, renormalized", ""),
+    "OlmoeForCausalLM": ("OLMoE", "MoE, whole-width q/k norms, qkv clipping", ""),
+}
+
+
+def show_families(console: Console) -> None:
+    """The model families specdec runs, dense and mixtures of experts, and where each loads from."""
+    from rich.table import Table
+
+    table = Table(title="Model families (HF folders, hub ids; GGUF where named)", title_justify="left")
+    for column in ("architecture", "family", "layers", "GGUF"):
+        table.add_column(column)
+    for arch, (family, layers, gguf) in FAMILIES.items():
+        table.add_row(arch, family, layers, gguf or "-")
+    console.print()
+    console.print(table)
 
 
 def pair_status() -> list[PairModel]:

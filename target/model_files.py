@@ -265,6 +265,8 @@ def gguf_config(gguf: GGUFFile):
         if new_key not in (None, -1):
             config[new_key] = value
     config.setdefault("vocab_size", meta.get("tokenizer.ggml.tokens"))  # an array read as its length
+    if f"{arch}.attention.key_length" in meta:  # transformers' table reads it for some archs only (not qwen3)
+        config["head_dim"] = meta[f"{arch}.attention.key_length"]
     if arch in _GGUF_MOE_ARCHS:  # what transformers' GGUF table leaves out: the expert widths,
         for key, name in _GGUF_MOE_WIDTHS.items():
             if f"{arch}.{key}" in meta:

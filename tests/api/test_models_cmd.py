@@ -100,3 +100,13 @@ def test_empty_cache(tmp_path, monkeypatch, capsys):
     assert main(["models", "--remove-cache", "--yes"]) == 0
     out = capsys.readouterr().out
     assert "empty" in out and "Nothing to remove" in out
+
+
+def test_lists_every_family_it_runs_mixtures_of_experts_included(cache, capsys):
+    from specdec.target.config import SUPPORTED_ARCHITECTURES
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert set(models_cmd.FAMILIES) == set(SUPPORTED_ARCHITECTURES)  # the table cannot go stale
+    for arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "qwen3moe"):
+        assert arch in out

@@ -1,0 +1,142 @@
+"""`python -m specdec.eval.moe_bench MODEL.gguf --llama-bin DIR`: an MoE GGUF in specdec and llama.cpp, side by side.
+
+The same file (e.g. `specdec.eval.moe_synthetic`'s Qwen3-30B-A3B-shaped Q4_K_M), the same threads,
+one sitting, specdec first then llama.cpp's `llama-bench`:
+
+- one-row decode: 128 forwards of one row after a short prompt, as `tg128` (tok/s);
+- prefill: one forward of 512 tokens, as `pp512` (tok/s);
+- forwards of 1, 2, 4, 6, 8 rows after the prompt (a verify window is k + 1 rows), each relative to
+  the engine's own one-row forward, as `llama-bench -p 1,2,4,6,8 -n 0` (its `pp1`...`pp8`);
+- the distinct experts a layer each window size read (what a verify window costs an MoE).
+
+Figures are medians of `--repeats`; ratios are specdec / llama.cpp. Run it with nothing else
+running: with 2 cores anything else makes the threads wait on each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.expert_stats import distinct_experts
+from specdec.target.model_files import resolve_model
+from specdec.target.model_weights import load_model
+from specdec.target.runner import ModelRunner, Window
+
+ROWS = (1, 2, 4, 6, 8)
+PROMPT = 32  # tokens before the decode and the row forwards (llama-bench's tg starts from none)
+
+
+def token_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, min(vocab, 150000), (n,), generator=g).tolist()
+
+
+def specdec_figures(path: Path, quant: str, repeats: int) -> dict:
+    """tg128, pp512 and the row forwards of specdec on `path` (bf16 activations, `quant` weights)."""
+    t0 = time.perf_counter()
+    model = load_model(resolve_model(str(path), progress=True), torch.bfloat16, "cpu", quant)
+    load_s = time.perf_counter() - t0
+    vocab = model.config.vocab_size
+    runner = ModelRunner.build(model, 16, None, num_blocks=64)
+    ids = token_ids(PROMPT + 128 + 512, vocab)
+
+    def fresh(n: int):
+        table = runner.new_table()
+        table.ensure_slots(n)
+        return table
+
+    prefill = []
+    for _ in range(repeats):
+        table = fresh(512)
+        start = time.perf_counter()
+        runner.forward([Window(table, ids[:512], 1)])
+        prefill.append(time.perf_counter() - start)
+        runner.pool.free(table.block_ids)
+    decode = []
+    table = fresh(PROMPT + 128)
+    runner.forward([Window(table, ids[:PROMPT], 1)])
+    for i in range(128):
+        start = time.perf_counter()
+        runner.forward([Window(table, [ids[PROMPT + i]], 1)])
+        decode.append(time.perf_counter() - start)
+    forwards, experts = {}, {}
+    for rows in ROWS:
+        times = []
+        for _ in range(repeats * 3):
+            table.num_computed = PROMPT
+            start = time.perf_counter()
+            runner.forward([Window(table, ids[PROMPT : PROMPT + rows], rows)])
+            times.append(time.perf_counter() - start)
+        forwards[rows] = statistics.median(times)
+        ids_now = runner.expert_ids()
+        if ids_now is not None:
+            experts[rows] = distinct_experts(ids_now, [(0, rows)], model.config.moe.num_experts)[0]
+    runner.pool.free(table.block_ids)
+    return {"load_s": load_s, "tg128": 1 / statistics.mean(decode), "pp512": 512 / statistics.median(prefill),
+            "forward_s": forwards, "experts": experts}
+
+
+def llama_figures(path: Path, llama_bin: Path, threads: int, repeats: int) -> dict:
+    """`llama-bench -p 512 -n 128` and `-p 1,2,4,6,8 -n 0` on `path` (JSON output parsed)."""
+
+    def bench(*args: str) -> list[dict]:
+        cmd = [str(llama_bin / "llama-bench"), "-m", str(path), "-t", str(threads), "-r", str(repeats), "-o", "json", *args]
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        return json.loads(done.stdout)
+
+    out = {"forward_s": {}}
+    for row in bench("-p", "512", "-n", "128"):
+        out["pp512" if row["n_prompt"] else "tg128"] = row["avg_ts"]
+    for row in bench("-p", ",".join(map(str, ROWS)), "-n", "0"):
+        out["forward_s"][row["n_prompt"]] = row["avg_ns"] / 1e9
+    return out
+
+
+def table(ours: dict, llama: dict | None) -> str:
+    lines = ["| | specdec | llama.cpp | ratio |", "|---|---|---|---|"]
+    for key, name in (("tg128", "one-row decode, tok/s (tg128)"), ("pp512", "prefill 512, tok/s (pp512)")):
+        theirs = llama.get(key) if llama else None
+        lines.append(f"| {name} | {ours[key]:.1f} | {theirs or 0:.1f} | {ours[key] / theirs if theirs else 0:.2f}x |")
+    for rows in ROWS:
+        rel = ours["forward_s"][rows] / ours["forward_s"][1]
+        theirs = llama["forward_s"].get(rows) / llama["forward_s"][1] if llama else None
+        lines.append(f"| {rows}-row forward, ms (x its own 1-row) | {1e3 * ours['forward_s'][rows]:.1f} ({rel:.2f}x) | "
+                     + (f"{1e3 * llama['forward_s'][rows]:.1f} ({theirs:.2f}x) |" if llama else "- |")
+                     + (f" {rel / theirs:.2f} |" if llama else " |"))
+    if ours["experts"]:
+        lines += ["", "| rows in the window | " + " | ".join(map(str, ROWS)) + " |", "|---|" + "---|" * len(ROWS),
+                  "| distinct experts a layer | " + " | ".join(f"{ours['experts'][r]:.1f}" for r in ROWS) + " |"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m specdec.eval.moe_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("gguf", type=Path)
+    parser.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (omit: specdec only)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quant", default="w4a8-auto", help="specdec's weight format (default: the target's)")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
+    if not args.gguf.is_file():
+        parser.error(f"{args.gguf} is not a file")
+    torch.set_num_threads(args.threads)
+    ours = specdec_figures(args.gguf, args.quant, args.repeats)
+    llama = llama_figures(args.gguf, args.llama_bin, args.threads, args.repeats) if args.llama_bin else None
+    print(f"{args.gguf.name}, {args.threads} threads, kernels {os.environ.get('SPECDEC_ISA') or 'best'}; "
+          f"specdec loaded in {ours['load_s']:.1f} s\n")
+    print(table(ours, llama))
+    if args.json:
+        args.json.write_text(json.dumps({"specdec": ours, "llama.cpp": llama}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
