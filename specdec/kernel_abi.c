@@ -28,6 +28,8 @@ static const struct specdec_abi_entry LAYOUT[] = {
     FIELD(specdec_layer, input_norm),
     FIELD(specdec_layer, post_attention_norm),
     FIELD(specdec_layer, moe),
+    FIELD(specdec_layer, q_norm),
+    FIELD(specdec_layer, k_norm),
     SIZE(specdec_moe),
     FIELD(specdec_moe, router),
     FIELD(specdec_moe, gate_up),

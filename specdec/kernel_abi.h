@@ -50,6 +50,7 @@ struct specdec_layer {
     struct specdec_linear qkv, o, gate_up, down;
     const void *input_norm, *post_attention_norm;
     const struct specdec_moe *moe; /* NULL: the dense MLP */
+    const void *q_norm, *k_norm;   /* [D]: RMSNorm over each head of q and k before rope (Qwen3); NULL: none */
 };
 
 /* One step's rotary tables and paged-cache geometry: everything rope_write_attend takes but a

@@ -96,7 +96,8 @@ class Layer(ctypes.Structure):
 
     c_name = "specdec_layer"
     _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
-                ("input_norm", _P), ("post_attention_norm", _P), ("moe", ctypes.POINTER(Moe))]
+                ("input_norm", _P), ("post_attention_norm", _P), ("moe", ctypes.POINTER(Moe)),
+                ("q_norm", _P), ("k_norm", _P)]
 
 
 class Attention(ctypes.Structure):

@@ -116,6 +116,11 @@ class ModelConfig:
         }
         return [name for name, present in features.items() if present]
 
+    def c_loop_differences(self) -> list[str]:
+        """What in this model's layers the C layer loop (`decoder.c`) does not implement: Llama's
+        layer plus per-head q/k norms (Qwen3, Qwen3-MoE) and MoE blocks."""
+        return [d for d in self.llama_layer_differences() if d != "q/k norms"]
+
     def unquantized_reason(self) -> str | None:
         """Why this family runs unquantized by default (`family_quant`); None where the quantized
         path implements its layers."""

@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         A stack snapshots the layers' buffers: set it after the last change to the weights (the
         runner does); `.to()` and friends drop it. A stack runs Llama's layer only: a model whose
         layers differ keeps the Python loop (logged)."""
-        if stack is not None and (differences := self.config.llama_layer_differences()):
+        if stack is not None and (differences := self.config.c_loop_differences()):
             log.info("layers run in Python: the C layer loop implements Llama's layer, not %s", ", ".join(differences))
             stack = None
         self._layer_stack = stack

@@ -70,6 +70,9 @@ class NativeDecoderStack:
                 row.moe = ctypes.pointer(mlp.kernel.table)
             else:
                 row.gate_up, row.down = self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj)
+            if attn.q_norm is not None:  # Qwen3: per head, the width of a head
+                row.q_norm = self._ptr("self_attn.q_norm.weight", attn.q_norm.weight, self.head_dim)
+                row.k_norm = self._ptr("self_attn.k_norm.weight", attn.k_norm.weight, self.head_dim)
             row.input_norm = self._ptr("input_layernorm.weight", layer.input_layernorm.weight)
             row.post_attention_norm = self._ptr("post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
 
@@ -82,8 +85,8 @@ class NativeDecoderStack:
             linear.in_features, linear.out_features, None if linear.bias is None else linear.bias.data_ptr(),
         )
 
-    def _ptr(self, name: str, t: torch.Tensor) -> int:
-        check_tensor(name, t, (torch.bfloat16 if self.norm_bf16 else torch.float32,), (self.hidden,))
+    def _ptr(self, name: str, t: torch.Tensor, size: int | None = None) -> int:
+        check_tensor(name, t, (torch.bfloat16 if self.norm_bf16 else torch.float32,), (size or self.hidden,))
         self._refs.append(t)
         return t.data_ptr()
 
@@ -96,7 +99,8 @@ class NativeDecoderStack:
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not layers:
             return None
-        norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
+                                                 layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
         blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
         fits = (
             all(
