@@ -200,11 +200,15 @@ def test_llama_qwen2_and_plain_mistral_have_no_new_features():
 
 
 def test_models_whose_layers_differ_keep_the_python_layer_loop(caplog):
-    """The C layer loop runs Llama's layer: a stack handed to a Qwen3 is dropped, with the reason."""
-    model = from_hf(hf_model("qwen3"))
+    """The C layer loop runs Llama's layer (and Qwen3's per-head q/k norms): a stack handed to a
+    Gemma 2 is dropped, with the reason; a Qwen3 keeps it."""
+    model = from_hf(hf_model("gemma2"))
     with caplog.at_level(logging.INFO, logger="specdec"):
         model.use_layer_stack(object())
-    assert model._layer_stack is None and "q/k norms" in caplog.text
+    assert model._layer_stack is None and "Gemma norms" in caplog.text
+    qwen3 = from_hf(hf_model("qwen3"))
+    qwen3.use_layer_stack(stack := object())
+    assert qwen3._layer_stack is stack
 
 
 def test_windowed_layers_never_reach_the_c_attention(monkeypatch, caplog):
