@@ -114,6 +114,54 @@ static int run_expert(const float *xn, int64_t n, const struct specdec_linear *g
                  down->out_features, down->bias, NULL, out, 0, NULL, 0, 0.0f, threads);
 }
 
+/* One row (m == 1): every chosen expert's gate|up in ONE qgemm call over their tiles end to end (a
+ * tile's output does not depend on the other tiles of the call, so the values are bitwise those of
+ * one call per expert), then each expert's down. Saves k - 1 calls (their thread start-ups and
+ * barriers) per layer of a one-row decode. Returns -1 where it does not apply (biases). */
+static int one_row_experts(const float *xn, const struct specdec_moe *e, const int32_t *ids, const float *w,
+                           float *gu, float *rows_y, float *acc, int threads) {
+    const int64_t k = e->top_k, h = e->hidden;
+    int64_t tiles = 0;
+    const uint8_t *base = NULL;
+    for (int64_t s = 0; s < k; s++) {
+        const struct specdec_linear *g = &e->gate_up[ids[s]];
+        if (g->bias || e->down[ids[s]].bias) return -1;
+        tiles += g->out_features / SPECDEC_TILE;
+        base = base == NULL || g->tiles < base ? g->tiles : base;
+    }
+    int64_t *offsets = malloc(sizeof(int64_t) * (size_t)tiles);
+    uint8_t *bits = malloc((size_t)tiles);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)k);
+    if (!offsets || !bits || !order) {
+        free(offsets), free(bits), free(order);
+        return SPECDEC_ERR_NO_MEMORY;
+    }
+    for (int64_t s = 0; s < k; s++) order[s] = s; /* the slots by expert id: the sum's order */
+    for (int64_t s = 1; s < k; s++)
+        for (int64_t j = s; j > 0 && ids[order[j]] < ids[order[j - 1]]; j--) {
+            const int64_t t = order[j];
+            order[j] = order[j - 1], order[j - 1] = t;
+        }
+    int64_t at = 0;
+    for (int64_t s = 0; s < k; s++) {
+        const struct specdec_linear *g = &e->gate_up[ids[order[s]]];
+        for (int64_t t = 0; t < g->out_features / SPECDEC_TILE; t++, at++) {
+            offsets[at] = (int64_t)(g->tiles - base) + g->tile_offsets[t];
+            bits[at] = g->tile_bits[t];
+        }
+    }
+    int rc = qgemm(xn, 0, 1, h, 0, base, offsets, bits, tiles * SPECDEC_TILE, NULL, NULL, gu, 0, NULL, 0, 0.0f, threads);
+    for (int64_t s = 0, col = 0; s < k && rc == SPECDEC_OK; s++) {
+        const struct specdec_linear *dn = &e->down[ids[order[s]]];
+        rc = qgemm(gu + col, 0, 1, dn->in_features, 1, dn->tiles, dn->tile_offsets, dn->tile_bits, dn->out_features,
+                   NULL, NULL, rows_y, 0, NULL, 0, 0.0f, threads);
+        if (rc == SPECDEC_OK) add_scaled(acc, rows_y, w[order[s]], h);
+        col += 2 * dn->in_features;
+    }
+    free(offsets), free(bits), free(order);
+    return rc;
+}
+
 static int check_block(const struct specdec_moe *e) {
     if (!e->router || !e->gate_up || !e->down || e->num_experts <= 0 || e->top_k <= 0 ||
         e->top_k > e->num_experts || e->hidden <= 0 || e->hidden % SPECDEC_GROUP)
@@ -144,7 +192,7 @@ int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e,
     float *xn = malloc(sizeof(float) * (size_t)(m * h)), *acc = calloc((size_t)(m * h), sizeof(float));
     float *logits = malloc(sizeof(float) * (size_t)(m * n)), *w = malloc(sizeof(float) * (size_t)(m * k));
     float *rows_x = malloc(sizeof(float) * (size_t)(m * h)), *rows_y = malloc(sizeof(float) * (size_t)(m * h));
-    float *gu = malloc(sizeof(float) * (size_t)(m * widest));
+    float *gu = malloc(sizeof(float) * (size_t)((m > k ? m : k) * widest));
     int32_t *ids = expert_ids ? expert_ids : malloc(sizeof(int32_t) * (size_t)(m * k));
     int64_t *count = calloc((size_t)n + 1, sizeof(int64_t)), *order = malloc(sizeof(int64_t) * (size_t)(m * k));
     int rc = SPECDEC_ERR_NO_MEMORY;
@@ -155,8 +203,10 @@ int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e,
     for (int64_t i = 0; i < m * k; i++) count[ids[i] + 1]++;
     for (int64_t j = 0; j < n; j++) count[j + 1] += count[j];
     for (int64_t i = 0; i < m * k; i++) order[count[ids[i]]++] = i;
-    rc = SPECDEC_OK;
-    for (int64_t j = 0, start = 0; j < n && rc == SPECDEC_OK; start = count[j++]) {
+    rc = m == 1 ? one_row_experts(xn, e, ids, w, gu, rows_y, acc, threads) : -1;
+    const int per_expert = rc == -1; /* one call pair per chosen expert over its rows */
+    if (per_expert) rc = SPECDEC_OK;
+    for (int64_t j = 0, start = 0; per_expert && rc == SPECDEC_OK && j < n; start = count[j++]) {
         const int64_t rows = count[j] - start; /* count[j] is now the end of expert j's pairs */
         if (rows == 0) continue;
         for (int64_t i = 0; i < rows; i++) memcpy(rows_x + i * h, xn + (order[start + i] / k) * h, sizeof(float) * (size_t)h);
