@@ -163,4 +163,19 @@ static inline vf vf_exp(vf x) {
     return vf_ldexp(p, n);
 }
 
+/* Element i of a buffer of bf16 (flag set) or fp32 values, as fp32; and 16 of them from i on. */
+static inline float load_float(const void *p, int bf16, int64_t i) {
+    if (bf16) {
+        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        __builtin_memcpy(&f, &u, 4);
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+static inline vf load_floats(const void *p, int bf16, int64_t i) {
+    return bf16 ? vf_load_bf16((const uint16_t *)p + i) : vf_load((const float *)p + i);
+}
+
 #endif

@@ -20,13 +20,7 @@
 #include <stdlib.h>
 
 #include "kernel_abi.h"
-
-static inline float bf16_value(uint16_t u) {
-    uint32_t bits = (uint32_t)u << 16;
-    float f;
-    __builtin_memcpy(&f, &bits, 4);
-    return f;
-}
+#include "simd.h"
 
 static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch casts */
     uint32_t u;
@@ -34,8 +28,9 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch cas
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float weight_value(const void *w, int bf16, int64_t i) {
-    return bf16 ? bf16_value(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+static inline float rounded_bf16(float f) { /* f rounded to bf16, as fp32 */
+    const uint16_t b = to_bf16(f);
+    return load_float(&b, 1, 0);
 }
 
 /* Qwen3's q/k norms on qkv [T, (Hq + 2 Hkv) D] bf16, in place: each head of q and of k RMS-normalised
@@ -50,10 +45,10 @@ static void head_norms(uint16_t *qkv, int64_t num_rows, int64_t hq, int64_t hkv,
         uint16_t *x = qkv + (idx / heads) * row + h * d;
         const void *w = h < hq ? q_w : k_w;
         float sum = 0.0f;
-        for (int64_t i = 0; i < d; i++) sum += bf16_value(x[i]) * bf16_value(x[i]);
+        for (int64_t i = 0; i < d; i++) sum += load_float(x, 1, i) * load_float(x, 1, i);
         const float inv = 1.0f / sqrtf(sum / (float)d + eps);
         for (int64_t i = 0; i < d; i++)
-            x[i] = to_bf16(weight_value(w, w_bf16, i) * bf16_value(to_bf16(bf16_value(x[i]) * inv)));
+            x[i] = to_bf16(load_float(w, w_bf16, i) * rounded_bf16(load_float(x, 1, i) * inv));
     }
 }
 

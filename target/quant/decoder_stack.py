@@ -17,7 +17,7 @@ from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention
 from specdec.kernel_abi import check_tensor
 from specdec.target.moe import SparseMoE
 from specdec.target.quant import qgemm
-from specdec.target.quant.moe_kernel import NativeMoE
+from specdec.target.quant.moe_kernel import NativeMoE, linear_descriptor
 from specdec.target.quant.qlinear import QLinear
 from specdec.target.rope import Rotation
 
@@ -77,13 +77,7 @@ class NativeDecoderStack:
             row.post_attention_norm = self._ptr("post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
 
     def _linear(self, linear: QLinear) -> kernel_abi.Linear:
-        qgemm.check_weights(linear.tiles, linear.tile_offsets, linear.tile_bits, linear.bias, linear.in_features,
-                            linear.out_features)
-        self._refs += [t for t in (linear.tiles, linear.tile_offsets, linear.tile_bits, linear.bias) if t is not None]
-        return kernel_abi.Linear(
-            linear.tiles.data_ptr(), linear.tile_offsets.data_ptr(), linear.tile_bits.data_ptr(),
-            linear.in_features, linear.out_features, None if linear.bias is None else linear.bias.data_ptr(),
-        )
+        return linear_descriptor(linear, self._refs)
 
     def _ptr(self, name: str, t: torch.Tensor, size: int | None = None) -> int:
         check_tensor(name, t, (torch.bfloat16 if self.norm_bf16 else torch.float32,), (size or self.hidden,))

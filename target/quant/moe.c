@@ -24,29 +24,15 @@
 #include "kernel_abi.h"
 #include "simd.h"
 
-static inline float load_scalar(const void *p, int bf16, int64_t i) {
-    if (bf16) {
-        uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-        float f;
-        __builtin_memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)p)[i];
-}
-
-static inline vf load_vec(const void *p, int bf16, int64_t i) {
-    return bf16 ? vf_load_bf16((const uint16_t *)p + i) : vf_load((const float *)p + i);
-}
-
 /* a . b over n (a multiple of 16) fp32 values of a and n values of b (bf16 or fp32) */
 static inline float dot(const float *a, const void *b, int b_bf16, int64_t n) {
     vf s0 = vf_zero(), s1 = vf_zero();
     int64_t i = 0;
     for (; i + 32 <= n; i += 32) {
-        s0 = vf_fmadd(vf_load(a + i), load_vec(b, b_bf16, i), s0);
-        s1 = vf_fmadd(vf_load(a + i + 16), load_vec(b, b_bf16, i + 16), s1);
+        s0 = vf_fmadd(vf_load(a + i), load_floats(b, b_bf16, i), s0);
+        s1 = vf_fmadd(vf_load(a + i + 16), load_floats(b, b_bf16, i + 16), s1);
     }
-    for (; i < n; i += 16) s0 = vf_fmadd(vf_load(a + i), load_vec(b, b_bf16, i), s0);
+    for (; i < n; i += 16) s0 = vf_fmadd(vf_load(a + i), load_floats(b, b_bf16, i), s0);
     return vf_reduce_add(vf_add(s0, s1));
 }
 
@@ -59,14 +45,14 @@ static void normalize_rows(const void *x, int x_bf16, int64_t m, int64_t h, cons
         if (norm_w) {
             float sum = 0.0f;
             for (int64_t i = 0; i < h; i++) {
-                const float v = load_scalar(x, x_bf16, r * h + i);
+                const float v = load_float(x, x_bf16, r * h + i);
                 sum += v * v;
             }
             inv = 1.0f / sqrtf(sum / (float)h + eps);
         }
         for (int64_t i = 0; i < h; i += 16) {
-            vf v = load_vec(x, x_bf16, r * h + i);
-            if (norm_w) v = vf_mul(vf_mul(v, vf_set1(inv)), load_vec(norm_w, norm_bf16, i));
+            vf v = load_floats(x, x_bf16, r * h + i);
+            if (norm_w) v = vf_mul(vf_mul(v, vf_set1(inv)), load_floats(norm_w, norm_bf16, i));
             vf_store(xn + r * h + i, v);
         }
     }

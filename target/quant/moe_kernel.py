@@ -23,6 +23,18 @@ from specdec.target.quant.qlinear import QLinear
 DENSE = (torch.bfloat16, torch.float32)  # what the router and the activations may be
 
 
+def linear_descriptor(linear: QLinear, refs: list) -> kernel_abi.Linear:
+    """`linear`'s buffers as a `kernel_abi.Linear`, checked first (`qgemm.check_weights`); the
+    buffers are appended to `refs`, which the caller keeps alive as long as the descriptor."""
+    qgemm.check_weights(linear.tiles, linear.tile_offsets, linear.tile_bits, linear.bias, linear.in_features,
+                        linear.out_features)
+    refs += [t for t in (linear.tiles, linear.tile_offsets, linear.tile_bits, linear.bias) if t is not None]
+    return kernel_abi.Linear(
+        linear.tiles.data_ptr(), linear.tile_offsets.data_ptr(), linear.tile_bits.data_ptr(),
+        linear.in_features, linear.out_features, None if linear.bias is None else linear.bias.data_ptr(),
+    )
+
+
 class NativeMoE:
     """The `kernel_abi.Moe` table of one `SparseMoE` block; holds every buffer it points to."""
 
@@ -50,13 +62,7 @@ class NativeMoE:
             self.table.shared_gate = gate.data_ptr()
 
     def _linear(self, linear: QLinear) -> kernel_abi.Linear:
-        qgemm.check_weights(linear.tiles, linear.tile_offsets, linear.tile_bits, linear.bias, linear.in_features,
-                            linear.out_features)
-        self._refs += [t for t in (linear.tiles, linear.tile_offsets, linear.tile_bits, linear.bias) if t is not None]
-        return kernel_abi.Linear(
-            linear.tiles.data_ptr(), linear.tile_offsets.data_ptr(), linear.tile_bits.data_ptr(),
-            linear.in_features, linear.out_features, None if linear.bias is None else linear.bias.data_ptr(),
-        )
+        return linear_descriptor(linear, self._refs)
 
     @staticmethod
     def fits(block: nn.Module) -> bool:

@@ -47,20 +47,6 @@ struct group_consts {
 
 #include "qgemm_tiles.h" /* tile_rows and MAX_ROWS for this build's instruction set */
 
-static inline float load_x(const void *x, int x_bf16, int64_t i) {
-    if (x_bf16) {
-        uint32_t u = (uint32_t)((const uint16_t *)x)[i] << 16;
-        float f;
-        __builtin_memcpy(&f, &u, 4);
-        return f;
-    }
-    return ((const float *)x)[i];
-}
-
-static inline vf load16(const void *x, int x_bf16, int64_t i) {
-    return x_bf16 ? vf_load_bf16((const uint16_t *)x + i) : vf_load((const float *)x + i);
-}
-
 /* The 32 fp32 inputs of group g of row r: x itself, RMSNorm(x) (norm_w), or with `glu` (x is
  * [M, 2K], gate | up) silu(gate) * up, computed in fp32. */
 static inline void load_group(const void *x, int x_bf16, int64_t r, int64_t g, int64_t k, int glu,
@@ -69,13 +55,13 @@ static inline void load_group(const void *x, int x_bf16, int64_t r, int64_t g, i
         const int64_t col = g * GROUP + i;
         vf a;
         if (glu) {
-            const vf gate = load16(x, x_bf16, r * 2 * k + col), up = load16(x, x_bf16, r * 2 * k + k + col);
+            const vf gate = load_floats(x, x_bf16, r * 2 * k + col), up = load_floats(x, x_bf16, r * 2 * k + k + col);
             const vf sig = vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), gate)));
             a = vf_div(vf_mul(gate, up), sig);
         } else {
-            a = load16(x, x_bf16, r * k + col);
+            a = load_floats(x, x_bf16, r * k + col);
             if (norm_w) /* RMSNorm fused in: x * rsqrt(mean(x^2) + eps) * w, in fp32 */
-                a = vf_mul(vf_mul(a, vf_set1(inv_rms[r])), load16(norm_w, norm_w_bf16, col));
+                a = vf_mul(vf_mul(a, vf_set1(inv_rms[r])), load_floats(norm_w, norm_w_bf16, col));
         }
         vf_store(v + i, a);
     }
@@ -166,7 +152,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         for (int64_t r = 0; r < m; r++) {
             float sum = 0.0f;
             for (int64_t i = 0; i < k; i++) {
-                const float v = load_x(x, x_bf16, r * k + i);
+                const float v = load_float(x, x_bf16, r * k + i);
                 sum += v * v;
             }
             inv_rms[r] = 1.0f / sqrtf(sum / (float)k + eps);
