@@ -114,7 +114,7 @@ FAMILIES = {
     "Phi3ForCausalLM": ("Phi-3 / 3.5", "dense, fused projections", "phi3"),
     "Qwen3MoeForCausalLM": ("Qwen3-MoE (30B-A3B, 235B-A22B)", "MoE: softmax, top k, renormalized", "qwen3moe"),
     "Qwen2MoeForCausalLM": ("Qwen2-MoE / Qwen1.5-MoE", "MoE + a shared expert (sigmoid gate)", "qwen2moe"),
-    "MixtralForCausalLM": ("Mixtral", "MoE: top 2 of 8, renormalized", ""),
+    "MixtralForCausalLM": ("Mixtral", "MoE: top 2 of 8, renormalized", "llama (with experts)"),
     "OlmoeForCausalLM": ("OLMoE", "MoE, whole-width q/k norms, qkv clipping", ""),
 }
 

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from specdec.eval import report
 from specdec.expert_stats import distinct_experts
 from specdec.target.model_files import resolve_model
 from specdec.target.model_weights import load_model
@@ -124,18 +125,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quant", default="w4a8-auto", help="specdec's weight format (default: the target's)")
-    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--out", type=Path, help="write OUT.md and OUT.json (command, commit, machine, figures)")
     args = parser.parse_args(argv)
     if not args.gguf.is_file():
         parser.error(f"{args.gguf} is not a file")
     torch.set_num_threads(args.threads)
     ours = specdec_figures(args.gguf, args.quant, args.repeats)
     llama = llama_figures(args.gguf, args.llama_bin, args.threads, args.repeats) if args.llama_bin else None
-    print(f"{args.gguf.name}, {args.threads} threads, kernels {os.environ.get('SPECDEC_ISA') or 'best'}; "
-          f"specdec loaded in {ours['load_s']:.1f} s\n")
-    print(table(ours, llama))
-    if args.json:
-        args.json.write_text(json.dumps({"specdec": ours, "llama.cpp": llama}, indent=2))
+    meta = report.provenance(args, argv if argv is not None else sys.argv[1:])
+    summary = (f"{args.gguf.name} ({args.gguf.stat().st_size / 1e9:.2f} GB), {args.threads} threads, "
+               f"{meta['machine']['kernels']}; llama.cpp: {args.llama_bin or 'not run'}; specdec loaded in "
+               f"{ours['load_s']:.1f} s")
+    print(f"{summary}\n\n{table(ours, llama)}")
+    if args.out:
+        report.write_json(args.out.with_suffix(".json"), {"meta": meta, "specdec": ours, "llama.cpp": llama})
+        report.write_markdown(args.out.with_suffix(".md"), "MoE GGUF: specdec beside llama-bench", meta,
+                              [("Figures", f"{summary}\n\n{table(ours, llama)}")])
 
 
 if __name__ == "__main__":

@@ -60,10 +60,11 @@ def layer_tensors(config: dict, i: int, gen: torch.Generator) -> dict[str, torch
     return out
 
 
-def write_checkpoint(folder: Path, layers: int, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """The HF folder: config, tokenizer files, one safetensors shard per layer (+ embeddings, head)."""
+def write_checkpoint(folder: Path, layers: int, tokenizer_dir: Path, seed: int = 0, **shape) -> Path:
+    """The HF folder: config, tokenizer files, one safetensors shard per layer (+ embeddings, head);
+    `shape` overrides Qwen3-30B-A3B's config fields (tests make a small one)."""
     folder.mkdir(parents=True, exist_ok=True)
-    config = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
+    config = {**QWEN3_30B_A3B, "num_hidden_layers": layers, **shape}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():

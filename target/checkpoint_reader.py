@@ -183,8 +183,9 @@ def gguf_to_hf_names(hf_config, processor) -> dict[str, str]:
         skeleton = LlamaForCausalLM(ModelConfig.from_hf(hf_config))
     build = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.cache(build)  # the function imports it from gguf per call
+    model_type = "llama" if hf_config.model_type == "mixtral" else hf_config.model_type  # llama.cpp's arch
     try:
-        return get_gguf_hf_weights_map(skeleton, processor, hf_config.model_type, hf_config.num_hidden_layers)
+        return get_gguf_hf_weights_map(skeleton, processor, model_type, hf_config.num_hidden_layers)
     finally:
         gguf.get_tensor_name_map = build
 

@@ -246,9 +246,7 @@ def gguf_config(gguf: GGUFFile):
     # llama.cpp writes Mistral as llama; transformers tells them apart by general.name alone
     updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else arch
     updated = _GGUF_MOE_ARCHS.get(arch, updated)
-    if "llama" in arch and meta.get(f"{arch}.expert_count"):
-        raise UnsupportedModelError(f"{gguf.path.name}: a Mixtral GGUF (llama with experts) is not supported yet; "
-                                    "load Mixtral from its Hugging Face folder")
+    mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp writes Mixtral as llama
     if arch not in GGUF_SUPPORTED_ARCHITECTURES and updated not in GGUF_SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"{gguf.path.name}: GGUF architecture {arch!r} is not supported")
     config = {"tie_word_embeddings": "output.weight" not in gguf.tensors}
@@ -275,12 +273,15 @@ def gguf_config(gguf: GGUFFile):
         layers = meta[f"{arch}.block_count"]
         config["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors]
     model_type = config.pop("model_type")
+    if mixtral:
+        model_type = "mixtral"
+        config.update(num_local_experts=meta["llama.expert_count"], num_experts_per_tok=meta["llama.expert_used_count"])
     hf_config = AutoConfig.for_model(model_type, **config)
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)]
     return hf_config
 
 
-# llama.cpp's names of the MoE architectures -> transformers' model types
+# llama.cpp's names of the MoE architectures -> transformers' model types (Mixtral: llama with experts)
 _GGUF_MOE_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # expert widths in a GGUF's metadata -> config fields (transformers' table reads neither)
 _GGUF_MOE_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",

@@ -53,7 +53,7 @@ def moe_hf_model(family: str, seed: int = 0, **overrides):
     return _MODELS[key]
 
 
-_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "qwen3": "qwen3", "qwen2": "qwen2"}
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "qwen3": "qwen3", "qwen2": "qwen2", "mixtral": "llama"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -67,8 +67,15 @@ _LAYER_NAMES = {
 }
 
 
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the llama architecture (its converter's `permute`)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
-    """The model's tensors under llama.cpp's GGUF names (experts stacked), float32."""
+    """The model's tensors under llama.cpp's GGUF names (experts stacked), float32; a Mixtral's q/k
+    rows permuted as llama.cpp writes the llama architecture."""
+    cfg = hf_model.config
     out = {}
     for name, t in hf_model.state_dict().items():
         t = t.detach().float().numpy()
@@ -88,13 +95,15 @@ def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
             elif rest == "mlp.shared_expert_gate.weight":  # [1, H] -> [H], as llama.cpp stores it
                 out[f"blk.{i}.ffn_gate_inp_shexp.weight"] = t[0]
             elif "rotary" not in rest:
+                if cfg.model_type == "mixtral" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                    t = _permute(t, cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads)
                 out[f"blk.{i}.{_LAYER_NAMES[rest]}"] = t
     return out
 
 
 def write_gguf(hf_model, path, tokenizer, expert_type: str = "F32") -> None:
-    """`hf_model` (a Qwen3/Qwen2, MoE or dense) as a GGUF file with `tokenizer`; the stacked
-    experts in `expert_type` (F32 or Q8_0), everything else F32."""
+    """`hf_model` (a Qwen3 / Qwen2, MoE or dense, or a Mixtral: llama.cpp's llama architecture) as a
+    GGUF file with `tokenizer`; the stacked experts in `expert_type` (F32 or Q8_0), the rest F32."""
     import gguf
 
     from tests.target.conftest import add_gguf_tokenizer
@@ -114,7 +123,10 @@ def write_gguf(hf_model, path, tokenizer, expert_type: str = "F32") -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if "moe" in cfg.model_type:
+    if cfg.model_type == "mixtral":
+        writer.add_expert_count(cfg.num_local_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+    elif "moe" in cfg.model_type:
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
@@ -122,6 +134,7 @@ def write_gguf(hf_model, path, tokenizer, expert_type: str = "F32") -> None:
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     add_gguf_tokenizer(writer, tokenizer)
     writer.add_tokenizer_pre("qwen2")
+    writer.add_rope_dimension_count(head_dim)
     for name, values in gguf_tensors(hf_model).items():
         if expert_type != "F32" and name.endswith("_exps.weight"):
             qtype = gguf.GGMLQuantizationType[expert_type]

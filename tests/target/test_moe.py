@@ -191,11 +191,12 @@ def test_experts_that_do_not_fit_the_kernel_run_in_torch():
     assert error.item() < 0.03  # what int8 activations cost, no more
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
 def test_gguf_with_stacked_experts_gives_its_hf_folders_logits(tmp_path, family):
     """A tiny MoE written to GGUF as llama.cpp lays it out (stacked `ffn_*_exps`, the shared
-    expert's `*_shexp`, a dense layer among sparse ones) loads with the same logits as its HF
-    folder (F32), and Q8_0 experts slice per expert into exactly gguf's dequantized values."""
+    expert's `*_shexp`, a dense layer among sparse ones; Mixtral as the llama architecture with
+    experts and permuted q/k rows) loads with the same logits as its HF folder (F32), and Q8_0
+    experts slice per expert into exactly gguf's dequantized values."""
     tokenizer = build_tiny_tokenizer()
     hf = moe_hf_model(family, vocab_size=len(tokenizer))
     ids = list(range(3, 30))
