@@ -9,8 +9,10 @@ one sitting, specdec first then llama.cpp's `llama-bench`:
   the engine's own one-row forward, as `llama-bench -p 1,2,4,6,8 -n 0` (its `pp1`...`pp8`);
 - the distinct experts a layer each window size read (what a verify window costs an MoE).
 
-Figures are medians of `--repeats`; ratios are specdec / llama.cpp. Run it with nothing else
-running: with 2 cores anything else makes the threads wait on each other.
+Each round runs specdec, then llama.cpp; `--rounds` of them alternate, so both share the machine's
+drift (measured here: a third within the hour), and each figure is the median over the rounds.
+Ratios are specdec / llama.cpp. Run it with nothing else running: with 2 cores anything else makes
+the threads wait on each other.
 """
 
 from __future__ import annotations
@@ -40,14 +42,17 @@ def token_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     return torch.randint(100, min(vocab, 150000), (n,), generator=g).tolist()
 
 
-def specdec_figures(path: Path, quant: str, repeats: int) -> dict:
-    """tg128, pp512 and the row forwards of specdec on `path` (bf16 activations, `quant` weights)."""
+def load_runner(path: Path, quant: str) -> tuple[ModelRunner, float]:
+    """specdec's runner over `path` (bf16 activations, `quant` weights) and the seconds it took."""
     t0 = time.perf_counter()
     model = load_model(resolve_model(str(path), progress=True), torch.bfloat16, "cpu", quant)
-    load_s = time.perf_counter() - t0
-    vocab = model.config.vocab_size
-    runner = ModelRunner.build(model, 16, None, num_blocks=64)
-    ids = token_ids(PROMPT + 128 + 512, vocab)
+    return ModelRunner.build(model, 16, None, num_blocks=64), time.perf_counter() - t0
+
+
+def specdec_figures(runner: ModelRunner, repeats: int) -> dict:
+    """tg128, pp512, the row forwards and the experts they read, of specdec's `runner`."""
+    config = runner.model.config
+    ids = token_ids(PROMPT + 128 + 512, config.vocab_size)
 
     def fresh(n: int):
         table = runner.new_table()
@@ -79,10 +84,18 @@ def specdec_figures(path: Path, quant: str, repeats: int) -> dict:
         forwards[rows] = statistics.median(times)
         ids_now = runner.expert_ids()
         if ids_now is not None:
-            experts[rows] = distinct_experts(ids_now, [(0, rows)], model.config.moe.num_experts)[0]
+            experts[rows] = distinct_experts(ids_now, [(0, rows)], config.moe.num_experts)[0]
     runner.pool.free(table.block_ids)
-    return {"load_s": load_s, "tg128": 1 / statistics.mean(decode), "pp512": 512 / statistics.median(prefill),
+    return {"tg128": 1 / statistics.mean(decode), "pp512": 512 / statistics.median(prefill),
             "forward_s": forwards, "experts": experts}
+
+
+def median_of(rounds: list[dict]) -> dict:
+    """The median of each figure over the rounds (forward times per row count too)."""
+    out = {key: statistics.median(r[key] for r in rounds) for key in ("tg128", "pp512")}
+    out["forward_s"] = {rows: statistics.median(r["forward_s"][rows] for r in rounds) for rows in rounds[0]["forward_s"]}
+    out["rounds"] = rounds
+    return out
 
 
 def llama_figures(path: Path, llama_bin: Path, threads: int, repeats: int) -> dict:
@@ -97,7 +110,7 @@ def llama_figures(path: Path, llama_bin: Path, threads: int, repeats: int) -> di
     for row in bench("-p", "512", "-n", "128"):
         out["pp512" if row["n_prompt"] else "tg128"] = row["avg_ts"]
     for row in bench("-p", ",".join(map(str, ROWS)), "-n", "0"):
-        out["forward_s"][row["n_prompt"]] = row["avg_ns"] / 1e9
+        out["forward_s"][int(row["n_prompt"])] = row["avg_ns"] / 1e9
     return out
 
 
@@ -123,15 +136,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("gguf", type=Path)
     parser.add_argument("--llama-bin", type=Path, help="llama.cpp's build/bin (omit: specdec only)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="repetitions of each figure within a round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="specdec then llama.cpp, this many times alternating; medians reported (the "
+                             "machine's speed drifts within minutes: alternating shares the drift)")
     parser.add_argument("--quant", default="w4a8-auto", help="specdec's weight format (default: the target's)")
     parser.add_argument("--out", type=Path, help="write OUT.md and OUT.json (command, commit, machine, figures)")
     args = parser.parse_args(argv)
     if not args.gguf.is_file():
         parser.error(f"{args.gguf} is not a file")
     torch.set_num_threads(args.threads)
-    ours = specdec_figures(args.gguf, args.quant, args.repeats)
-    llama = llama_figures(args.gguf, args.llama_bin, args.threads, args.repeats) if args.llama_bin else None
+    runner, load_s = load_runner(args.gguf, args.quant)
+    rounds = []
+    for _ in range(max(1, args.rounds)):
+        rounds.append((specdec_figures(runner, args.repeats),
+                       llama_figures(args.gguf, args.llama_bin, args.threads, args.repeats) if args.llama_bin else None))
+    ours = {**median_of([r[0] for r in rounds]), "load_s": load_s, "experts": rounds[0][0]["experts"]}
+    llama = median_of([r[1] for r in rounds]) if args.llama_bin else None
     meta = report.provenance(args, argv if argv is not None else sys.argv[1:])
     summary = (f"{args.gguf.name} ({args.gguf.stat().st_size / 1e9:.2f} GB), {args.threads} threads, "
                f"{meta['machine']['kernels']}; llama.cpp: {args.llama_bin or 'not run'}; specdec loaded in "
