@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                        llama_figures(args.gguf, args.llama_bin, args.threads, args.repeats) if args.llama_bin else None))
     ours = {**median_of([r[0] for r in rounds]), "load_s": load_s, "experts": rounds[0][0]["experts"]}
     llama = median_of([r[1] for r in rounds]) if args.llama_bin else None
-    meta = report.provenance(args, argv if argv is not None else sys.argv[1:])
+    words = argv if argv is not None else sys.argv[1:]
+    meta = {**report.provenance(args, words), "command": "python -m specdec.eval.moe_bench " + shlex.join(words)}
     summary = (f"{args.gguf.name} ({args.gguf.stat().st_size / 1e9:.2f} GB), {args.threads} threads, "
                f"{meta['machine']['kernels']}; llama.cpp: {args.llama_bin or 'not run'}; specdec loaded in "
                f"{ours['load_s']:.1f} s")
