@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from specdec import kernel_abi, native
+from specdec.target.moe import SparseMoE
 
 ROOFLINE_SOURCE = Path(__file__).with_name("roofline.c")
 FUNCTIONS = ("roofline_read_bandwidth", "roofline_int8_peak")
@@ -112,9 +113,12 @@ def best_speculative(target: ModelCost, draft: ModelCost, machine: Machine, leve
 
 def model_cost(model: torch.nn.Module, name: str) -> ModelCost:
     """Bytes and multiply-adds per token of `model`'s linears: `QLinear` tiles as stored, any other
-    `nn.Linear` as its weight (the embedding is a row lookup: not counted)."""
+    `nn.Linear` as its weight (the embedding is a row lookup: not counted); an MoE block's experts
+    count for the share a token reads (top k of E)."""
     from specdec.target.quant.qlinear import QLinear  # after the kernels' level is settled
 
+    share = {id(m): b.top_k / b.num_experts for b in model.modules() if isinstance(b, SparseMoE)
+             for m in b.experts.modules()}
     nbytes = macs = head_macs = 0
     for path, module in model.named_modules():
         if isinstance(module, QLinear):
@@ -123,8 +127,9 @@ def model_cost(model: torch.nn.Module, name: str) -> ModelCost:
             weight = module.weight
         else:
             continue
-        nbytes += weight.numel() * weight.element_size()
-        macs += module.in_features * module.out_features
+        part = share.get(id(module), 1.0)
+        nbytes += round(part * weight.numel() * weight.element_size())
+        macs += round(part * module.in_features * module.out_features)
         if path.split(".")[-1] == "lm_head":
             head_macs += module.in_features * module.out_features
     if macs == 0:
@@ -134,12 +139,16 @@ def model_cost(model: torch.nn.Module, name: str) -> ModelCost:
 
 def gguf_bytes_per_token(paths: list[Path]) -> int:
     """What llama.cpp reads per token of a GGUF model: every tensor but the token embedding (a row
-    lookup), which is read whole when it doubles as the output matrix (no `output.weight`)."""
+    lookup), which is read whole when it doubles as the output matrix (no `output.weight`); of an
+    MoE's stacked experts (`*_exps`), the share of the experts a token uses."""
     from specdec.target.gguf_file import GGUFFile
 
-    tensors = GGUFFile.open(paths if len(paths) > 1 else paths[0]).tensors
+    gguf = GGUFFile.open(paths if len(paths) > 1 else paths[0])
+    tensors, arch = gguf.tensors, gguf.metadata.get("general.architecture")
+    used, experts = gguf.metadata.get(f"{arch}.expert_used_count"), gguf.metadata.get(f"{arch}.expert_count")
     tied = "output.weight" not in tensors
-    return sum(t.nbytes for n, t in tensors.items() if n != "token_embd.weight" or tied)
+    return sum(t.nbytes * used // experts if "_exps." in n and experts else t.nbytes
+               for n, t in tensors.items() if n != "token_embd.weight" or tied)
 
 
 def measure_machine(threads: int, levels: list[str]) -> Machine:

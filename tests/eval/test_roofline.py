@@ -139,3 +139,27 @@ def test_command_on_the_tiny_pair(tiny_dirs, monkeypatch, capsys):
     roofline.main(["--target", str(target), "--draft", "none", "--threads", "1", "--workload", "t:16:0.8"])
     out = capsys.readouterr().out
     assert "t target-only tok/s" in out and "speculative" not in out and "| draft (" not in out
+
+
+def test_an_moe_counts_the_experts_a_token_reads(tmp_path):
+    """Top 2 of 8 experts: a token reads a quarter of each expert's bytes, in specdec's model and in
+    the GGUF's stacked `*_exps` alike."""
+    from specdec.testing import from_hf
+    from tests.target.conftest import build_tiny_tokenizer
+    from tests.target.moe_models import moe_hf_model, write_gguf
+
+    hf = moe_hf_model("qwen3_moe")
+    model = from_hf(hf)
+    experts = sum(p.numel() * 4 for layer in model.model.layers if hasattr(layer.mlp, "experts")
+                  for p in layer.mlp.experts.parameters())
+    everything = sum(p.numel() * 4 for n, p in model.named_parameters() if "embed_tokens" not in n and "norm" not in n)
+    assert roofline.model_cost(model, "moe").bytes_per_token == everything - experts + experts // 4
+    tokenizer = build_tiny_tokenizer()
+    path = tmp_path / "moe.gguf"
+    write_gguf(moe_hf_model("qwen3_moe", vocab_size=len(tokenizer)), path, tokenizer)
+    from specdec.target.gguf_file import GGUFFile
+
+    tensors = GGUFFile.open(path).tensors
+    stacked = sum(t.nbytes for n, t in tensors.items() if "_exps." in n)
+    rest = sum(t.nbytes for n, t in tensors.items() if "_exps." not in n and n != "token_embd.weight")
+    assert roofline.gguf_bytes_per_token([path]) == rest + stacked // 4
