@@ -70,7 +70,8 @@ class NativeDecoderStack:
                 row.moe = ctypes.pointer(mlp.kernel.table)
             else:
                 row.gate_up, row.down = self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj)
-            if attn.q_norm is not None:  # Qwen3: per head, the width of a head
+            if attn.q_norm is not None and not attn.norm_full:  # Qwen3: per head, the width of a head
+                # (OLMoE's whole-width norms are not the C loop's: `use_layer_stack` drops the stack)
                 row.q_norm = self._ptr("self_attn.q_norm.weight", attn.q_norm.weight, self.head_dim)
                 row.k_norm = self._ptr("self_attn.k_norm.weight", attn.k_norm.weight, self.head_dim)
             row.input_norm = self._ptr("input_layernorm.weight", layer.input_layernorm.weight)

@@ -156,7 +156,7 @@ def test_c_layer_loop_runs_moe_layers_bitwise_as_the_python_loop(family, simd_le
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "olmoe"])
 def test_bf16_speculative_greedy_equals_target_only_on_the_expert_kernel(family, simd_level):
     target, draft = _quantized(family), _quantized(family, seed=1, num_hidden_layers=1)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
