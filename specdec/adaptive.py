@@ -129,6 +129,7 @@ class ExpertPricedCost(CostTable):
         self._xtx = torch.zeros(3, 3, dtype=torch.float64)  # forgetting sums of the normal equations
         self._xty = torch.zeros(3, dtype=torch.float64)
         self._seen: set[int] = set()  # rounded expert counts observed
+        self._coef: torch.Tensor | None = None  # seconds = coef . (1, experts, rows), once fitted
 
     def observe_experts(self, rows: int, experts: float, seconds: float) -> None:
         old = self.experts_by_rows.get(rows)
@@ -137,6 +138,8 @@ class ExpertPricedCost(CostTable):
         self._xtx.mul_(1 - COST_EMA / 4).add_(torch.outer(x, x))
         self._xty.mul_(1 - COST_EMA / 4).add_(x * seconds)
         self._seen.add(round(experts))
+        if len(self._seen) >= 3:  # three expert counts make the fit determined
+            self._coef = torch.linalg.solve(self._xtx + torch.eye(3, dtype=torch.float64) * 1e-9, self._xty)
 
     def uniform_experts(self, rows: int) -> float:
         """Distinct experts a layer for `rows` rows under uniform routing."""
@@ -153,9 +156,8 @@ class ExpertPricedCost(CostTable):
         return min(float(self.num_experts), scale * self.uniform_experts(rows))
 
     def __call__(self, size: int) -> float:
-        if len(self._seen) >= 3:
-            ridge = torch.eye(3, dtype=torch.float64) * 1e-9
-            coef = torch.linalg.solve(self._xtx + ridge, self._xty)
+        coef = self._coef
+        if coef is not None:
             seconds = float(coef @ torch.tensor([1.0, self.experts(size), float(size)], dtype=torch.float64))
             if coef[1] >= 0 and seconds > 0:
                 return seconds

@@ -71,10 +71,11 @@ static void route(const float *xn, int64_t m, const struct specdec_moe *e, float
         for (int64_t j = 0; j < n; j++) top = fmaxf(top, p[j]);
         for (int64_t j = 0; j < n; j++) sum += (p[j] = expf(p[j] - top));
         for (int64_t j = 0; j < n; j++) p[j] /= sum;
-        for (int64_t s = 0; s < k; s++) { /* selection: k is small */
+        for (int64_t s = 0; s < k; s++) { /* selection: k is small; a NaN row (overflowed
+                                             * activations) still picks k distinct experts */
             int64_t best = -1;
             for (int64_t j = 0; j < n; j++)
-                if (p[j] >= 0.0f && (best < 0 || p[j] > p[best])) best = j;
+                if (p[j] != -1.0f && (best < 0 || p[j] > p[best])) best = j;
             ids[r * k + s] = (int32_t)best;
             kept += (w[r * k + s] = p[best]);
             p[best] = -1.0f; /* taken */

@@ -92,8 +92,8 @@ class NativeMoE:
             return None
         x = x.contiguous()
         if residual is not None:
-            check_tensor("residual", residual.contiguous(), (x.dtype,), tuple(x.shape))
             residual = residual.contiguous()
+            check_tensor("residual", residual, (x.dtype,), tuple(x.shape))
         y = torch.empty_like(x)
         ids = torch.empty(x.shape[0], self.table.top_k, dtype=torch.int32)
         rc = self.lib.moe_block(

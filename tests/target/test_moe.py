@@ -108,6 +108,20 @@ def test_a_rows_result_is_bitwise_the_one_row_call(family, simd_level):
 
 
 @needs_kernel
+def test_a_nan_row_still_chooses_k_distinct_experts_and_spares_the_others():
+    """Overflowed activations make a row NaN: the kernel still picks top_k distinct experts in range
+    for it (no index outside the expert table) and the other rows come out as without it."""
+    block = _quantized("qwen2_moe").model.layers[0].mlp
+    x = torch.randn(3, 64).bfloat16()
+    clean = block(x, None, None)
+    x[1] = float("nan")
+    out = block(x, None, None)
+    ids = block.last_expert_ids.tolist()
+    assert all(len(set(row)) == block.top_k and all(0 <= e < block.num_experts for e in row) for row in ids)
+    assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+
+
+@needs_kernel
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_expert_kernel_computes_what_the_torch_block_does(family):
     """The C block (fp32 inside) against the torch loop over the same quantized experts (bf16
