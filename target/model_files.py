@@ -281,7 +281,8 @@ def gguf_config(gguf: GGUFFile):
     return hf_config
 
 
-# llama.cpp's names of the MoE architectures -> transformers' model types (Mixtral: llama with experts)
+# llama.cpp's names of the MoE architectures -> transformers' model types (Mixtral is written as
+# llama with `expert_count`: `gguf_config` tells it apart)
 _GGUF_MOE_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # expert widths in a GGUF's metadata -> config fields (transformers' table reads neither)
 _GGUF_MOE_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",

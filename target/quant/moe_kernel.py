@@ -1,8 +1,9 @@
 """A mixture-of-experts block in one C call (`moe.c`'s `moe_block`) once its experts are `QLinear`s.
 
-`NativeMoE.build(block)` snapshots the router and every expert's tiles into a `kernel_abi.Moe`
-table (the runner does it after the last change to the weights, as for `NativeDecoderStack`, which
-puts the same table into its layer rows); `run` is the block's forward: RMSNorm, router, top k,
+`NativeMoE.build(block, lib)` snapshots the router and every expert's tiles into a `kernel_abi.Moe`
+table (`decoder_stack.attach_moe`, which the runner calls after the last change to the weights,
+with the decoder library `moe_block` is built into; `NativeDecoderStack` puts the same table into
+its layer rows); `run` is the block's forward: RMSNorm, router, top k,
 each chosen expert's gate|up and down over just its rows (each expert's tiles read once per call),
 the shared expert, the residual add. A block whose experts or router do not fit keeps its torch
 forward (`moe.SparseMoE`), which is correct for every shape.
