@@ -56,6 +56,15 @@ class GenerationRequest:
     # n > 1: the id of the first of the parallel samples of this prompt; this one starts on its
     # cached prompt blocks once they are prefilled (`Engine.add_request(share_prompt_with=)`)
     share_prompt_with: str | None = None
+    # Prefill/decode disaggregation (`specdec.handoff`): a prefill replica's copy ends after its
+    # first token with a ticket (`handoff`); a decode replica's resumes after the tokens another
+    # replica emitted (`generated`), on the blocks of `ticket` pulled from `prefill_replica`
+    # (`payload`, imported just before the request is added).
+    handoff: bool = False
+    generated: list[int] | None = None
+    ticket: Any = None
+    prefill_replica: str | None = None
+    payload: Any = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +161,8 @@ class AsyncEngine:
         self.ready = threading.Event()
         self.publish_keys = False  # put the prefix cache's block keys in every snapshot
         self._step_started: float | None = None  # monotonic time the running step began
+        self.engine: Any = None  # once loaded; other threads may only read what is safe (export_kv)
+        self.kv_imported_blocks = 0  # blocks of handed-over requests written into the pools
 
     # ---- event-loop side -----------------------------------------------------------------------
 
@@ -198,6 +209,12 @@ class AsyncEngine:
             self._inbox.append(("abort", request_id))
             self._cond.notify()
 
+    def release_lease(self, lease_id: str) -> None:
+        """Free a handoff lease's blocks (on the engine thread, at its next iteration)."""
+        with self._cond:
+            self._inbox.append(("unlease", lease_id))
+            self._cond.notify()
+
     def shutdown(self, timeout: float = 5.0) -> None:
         with self._cond:
             self._stopping = True
@@ -222,6 +239,7 @@ class AsyncEngine:
                 self._on_load_error(self.error)
             return
         self.info = _engine_info(engine)
+        self.engine = engine
         self._publish(engine)
         self.ready.set()
         try:
@@ -240,6 +258,7 @@ class AsyncEngine:
                 return
             for command in commands:
                 self._apply(engine, command)
+            engine.expire_leases()
             deltas = self._step(engine) if engine.has_unfinished() else []
             stalled = engine.has_unfinished() and not getattr(engine, "num_scheduled", deltas)
             self._dispatch(engine, deltas)
@@ -275,7 +294,10 @@ class AsyncEngine:
             if stalled and not self._inbox and not self._stopping:
                 self._cond.wait(_STALL_WAIT_S)
             while not (self._inbox or self._stopping or engine.has_unfinished()):
-                self._cond.wait()
+                deadline = engine.leases.next_deadline()
+                if deadline is not None and deadline <= time.monotonic():
+                    break  # a lease to expire
+                self._cond.wait(None if deadline is None else deadline - time.monotonic())
             if self._stopping:
                 return None
             commands = list(self._inbox)
@@ -287,11 +309,17 @@ class AsyncEngine:
             self._streams.pop(command[1], None)
             engine.abort(command[1])
             return
+        if command[0] == "unlease":
+            engine.release_lease(command[1])
+            return
         _, request, stream = command
         try:
+            if request.payload is not None:  # just before the request: nothing evicts them between
+                self.kv_imported_blocks += engine.import_kv(request.payload)
             engine.add_request(
                 request.prompt_ids, request.params, request.request_id, request.num_speculative_tokens,
                 cache_salt=request.cache_salt, share_prompt_with=request.share_prompt_with,
+                handoff=request.handoff, generated=request.generated,
             )
         except ValueError as exc:
             self._deliver([(stream, exc)])

@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes, on_load_error=on_dead,
         warmup=args.warmup,
     )
+    if args.prefill_replicas and args.replicas is None:
+        raise ValueError("--prefill-replicas needs --replicas N (prefill and decode replicas are Ray Serve replicas)")
     if args.replicas is not None:
         from specdec.api.cluster import app as cluster
 

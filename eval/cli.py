@@ -125,6 +125,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routers", nargs="+", default=None, metavar="NAME",
                    help="with --multi-turn against `specdec serve --replicas N`: one pass per router "
                         "(prefix, round-robin, pow2, one), side by side, instead of with / without caching")
+    g = p.add_argument_group(
+        "prefill/decode disaggregation (--pd: starts `specdec serve` itself, once per layout, one at a time; "
+        "--base-url is not used)")
+    g.add_argument("--pd", action="store_true",
+                   help="long prompts arriving while streams decode, then short prompts at low load, on 1 prefill + "
+                        "1 decode replica, 2 colocated replicas and one plain server; writes pd.json and pd.md")
+    g.add_argument("--serve-args", default="", metavar="ARGS",
+                   help="arguments for every `specdec serve` (the models: \"--target T --draft D\"; default: the "
+                        "embedded pair)")
+    g.add_argument("--layouts", nargs="+", default=["pd", "colocated", "plain"], choices=["pd", "colocated", "plain"])
+    g.add_argument("--streams", type=int, default=2, help="requests decoding while the long prompts arrive")
+    g.add_argument("--stream-tokens", type=int, default=4000,
+                   help="max_tokens of each of them (ignore_eos; stopped once the long prompts are in)")
+    g.add_argument("--long-prompts", type=int, default=3, help="long prompts arriving")
+    g.add_argument("--long-tokens", type=int, default=1536, help="tokens in each long prompt")
+    g.add_argument("--gap", type=float, default=25.0, help="seconds between long prompts")
+    g.add_argument("--short-requests", type=int, default=6, help="short prompts at low load, one at a time")
+    g.add_argument("--port", type=int, default=8123, help="port of the servers it starts")
     _common(p, 50, "ShareGPT shuffle and arrival-time seed")
     p.set_defaults(func=run_serve, parser=p, words=["specdec", "bench", "serve"])
 
@@ -246,12 +264,47 @@ def run_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_pd(args: argparse.Namespace) -> int:
+    """`specdec bench serve --pd`: the layouts side by side (`specdec.eval.pd_bench`)."""
+    import json
+    import shlex
+
+    from specdec.eval import pd_bench
+    from specdec.eval.report import provenance
+
+    opts = pd_bench.PDBenchOptions(
+        model_args=shlex.split(args.serve_args), layouts=args.layouts, port=args.port, streams=args.streams,
+        stream_tokens=args.stream_tokens, long_prompts=args.long_prompts, long_tokens=args.long_tokens,
+        gap_s=args.gap, short_requests=args.short_requests, seed=args.seed,
+    )
+    out = _out_dir(args, "bench-serve-pd")
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in opts.layouts:
+        print(f"{name}: starting specdec serve {' '.join(opts.model_args + pd_bench.layout_args(name, opts.cpus))}",
+              flush=True)
+        results[name] = pd_bench.run_layout(name, opts, out)
+        print(f"{name}: done ({results[name]['long_arrivals']['itl_p99_over_p50'] or 0:.2f}x ITL p99/p50)", flush=True)
+    same = pd_bench.same_answers(results)
+    report = {"meta": provenance(args, args.words), "options": {k: v for k, v in vars(opts).items()},
+              "results": results, "same_answers_as_" + opts.layouts[0]: same}
+    (out / "pd.json").write_text(json.dumps(report, indent=1, default=str))
+    text = pd_bench.table(results) + "\n\nevery greedy answer equal to " + opts.layouts[0] + "'s: " + \
+        ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()) + "\n"
+    (out / "pd.md").write_text(text)
+    print(text)
+    _announce([out / "pd.json", out / "pd.md"])
+    return 0
+
+
 @_missing_data_is_an_error
 def run_serve(args: argparse.Namespace) -> int:
     from specdec.eval import serve_bench
     from specdec.eval.metrics import parse_slos
     from specdec.eval.report import provenance
 
+    if args.pd:
+        return run_pd(args)
     opts = serve_bench.ServeBenchOptions(
         base_url=args.base_url, endpoint=args.endpoint, model=args.model, dataset_path=args.dataset_path,
         tokenizer=args.tokenizer, request_rates=args.request_rates, burstiness=args.burstiness,

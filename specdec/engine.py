@@ -16,6 +16,8 @@ from specdec.draft import (
     StepTimings,
 )
 from specdec.expert_stats import ExpertStats
+from specdec import handoff
+from specdec.handoff import HandoffTicket, KVPayload, LeaseBook
 from specdec.planner import StepPlanner
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ChunkBudget, Scheduler
@@ -106,6 +108,8 @@ class Engine:
         self._sequences: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.device = self.target.device
+        self.leases = LeaseBook()  # KV held for decode engines (prefill/decode disaggregation)
+        self._compat: dict[str, str] | None = None
 
     def memory_line(self) -> str:
         """What the models take: "weights 1.49 GB · KV pools up to 2.15 GB" (both models)."""
@@ -146,6 +150,7 @@ class Engine:
         self, prompt: str | list[int], params: SamplingParams | None = None,
         request_id: str | None = None, num_speculative_tokens: int | None = None,
         cache_salt: str | None = None, share_prompt_with: str | None = None,
+        handoff: bool = False, generated: list[int] | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ValueError for prompts that can never run.
 
@@ -154,20 +159,30 @@ class Engine:
         `share_prompt_with` (n > 1: parallel samples of one prompt) names a queued or running
         request; this one is admitted only once that one's prompt is prefilled, so it starts on
         the cached prompt blocks instead of computing them again (with prefix caching off, it
-        just waits)."""
+        just waits).
+
+        Prefill/decode disaggregation (`specdec.handoff`): `handoff` makes this a prefill engine's
+        request, which ends after its first token(s) with finish reason "handoff" and a ticket
+        for its KV; `generated` resumes a request another engine started: these tokens were
+        already emitted (they count toward max_tokens, stop strings, penalties and the grammar)."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        generated = list(generated or [])
         if not token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.target.model.config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if generated and (min(generated) < 0 or max(generated) >= vocab):
+            raise ValueError(f"generated token ids must lie in [0, {vocab})")
+        if len(generated) >= params.max_tokens:
+            raise ValueError(f"{len(generated)} tokens already generated leave none of max_tokens={params.max_tokens}")
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{name} token ids must lie in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) + len(generated) >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; this engine fits at most "
+                f"the prompt has {len(token_ids) + len(generated)} tokens; this engine fits at most "
                 f"{self.max_model_len - 1} (context length / KV cache size)"
             )
         k = self.config.num_speculative_tokens if num_speculative_tokens is None else num_speculative_tokens
@@ -177,9 +192,11 @@ class Engine:
         if request_id in self._sequences:
             raise ValueError(f"request id {request_id!r} is already in use")
         constraint = self.grammars.constraint(params.structured) if params.structured is not None else None
-        seq = Sequence(request_id, token_ids, params, k if self.proposer else 0, next(self._counter))
+        seq = Sequence(request_id, token_ids + generated, params, k if self.proposer else 0, next(self._counter),
+                       prompt_len=len(token_ids))
         seq.constraint = constraint
         seq.cache_salt = cache_salt
+        seq.handoff = handoff
         if share_prompt_with is not None:
             leader = self._sequences.get(share_prompt_with)
             if leader is None:
@@ -188,6 +205,10 @@ class Engine:
         if params.seed is not None:
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
         seq.detokenizer = StopChecker(self.tokenizer, token_ids, params)
+        if generated:  # the other engine streamed their text: get to the state it left
+            seq.detokenizer.push(generated)
+            if constraint is not None:
+                constraint.commit(generated)
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -201,10 +222,11 @@ class Engine:
         return self._grammars
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks in both pools; False if it is unknown or done."""
+        """Stop a request now and free its blocks in both pools (a handed-off request: its lease's);
+        False if it is unknown or done."""
         seq = self._sequences.pop(request_id, None)
-        if seq is None or seq.finished:
-            return False
+        if seq is None or seq.finished:  # handed off already: nobody will pull its KV now
+            return any([self.release_lease(lease_id) for lease_id in self.leases.of_request(request_id)])
         seq.finish_reason = "abort"
         self.scheduler.finish(seq)
         return True
@@ -251,8 +273,10 @@ class Engine:
         sampling = self._sampling_tensors(seqs)
         draft = self._propose(plan, sampling)  # token_ids [B, k], probs [B, k, V] | None
         logits = self.verifier.forward(plan, draft)  # [sum(n_b + 1), V]
+        handed = [self._hand_off(p.seq, []) for p in plan.seqs
+                  if p.seq.handing_off and p.seq.fills_only and self._draft_holds_prompt(p.seq)]
         if not seqs:
-            return []  # prefill chunks only
+            return handed  # prefill chunks (and draft fills) only
         out, controlled = self.verifier.accept(logits, draft, sampling)
         token_rows, accepted = out.token_ids.tolist(), out.num_accepted.tolist()  # the one host sync
         for b, s in enumerate(seqs):
@@ -268,7 +292,7 @@ class Engine:
         return [
             self._commit(s, token_rows[b], accepted[b], draft.num_draft[b], logprobs[b])
             for b, s in enumerate(seqs)
-        ]
+        ] + handed
 
     def _propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
         if self.proposer is None:
@@ -342,6 +366,10 @@ class Engine:
             if table is not None:
                 table.truncate(seq.num_tokens - 1)
                 table.cache_full_blocks(seq.token_ids)
+        if reason is None and seq.handoff:
+            seq.handing_off = True
+            if self._draft_holds_prompt(seq):
+                return self._hand_off(seq, emitted, origins[: len(emitted)], text, pieces, logprobs)
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq)
@@ -350,6 +378,55 @@ class Engine:
             reason is not None, reason, pieces, seq.num_cached_tokens or 0,
             seq.stats if reason is not None else None, logprobs,
         )
+
+    # ---- prefill/decode disaggregation (specdec.handoff) ---------------------------------------
+
+    def _draft_holds_prompt(self, seq: Sequence) -> bool:
+        """Whether the draft's cache holds every full block of the prompt (what a handoff sends)."""
+        table = seq.draft_table
+        return table is None or table.num_computed >= seq.prompt_len // table.block_size * table.block_size
+
+    def _hand_off(self, seq: Sequence, emitted: list[int], origins: list | None = None, text: str = "",
+                  pieces: list[str] | None = None, logprobs: list[TokenLogprobs] | None = None) -> StepDelta:
+        """End a handoff request: lease its prompt's blocks, free the rest, say where they are."""
+        ticket = handoff.take_lease(self.leases, self.kv_runners(), seq, handoff.compat_digest(self.compat))
+        seq.finish_reason = "handoff"
+        self.scheduler.finish(seq)
+        return StepDelta(seq.request_id, emitted, origins or [], text, 0, 0, True, "handoff", pieces or [],
+                         seq.num_cached_tokens or 0, seq.stats, logprobs, handoff=ticket)
+
+    def kv_runners(self) -> dict[str, ModelRunner]:
+        """The runners whose paged caches a handoff moves, by pool name."""
+        runners = {"target": self.target}
+        if self.proposer is not None and self.proposer.pool is not None:
+            runners["draft"] = self.proposer.runner
+        return runners
+
+    @property
+    def compat(self) -> dict[str, str]:
+        """What must match between engines that hand KV to each other (`handoff.compat_fields`)."""
+        if self._compat is None:
+                self._compat = handoff.compat_fields(self)
+        return self._compat
+
+    def missing_keys(self, ticket: HandoffTicket) -> dict[str, list[bytes]]:
+        """Per pool, the ticket's blocks this engine's caches lack."""
+        return handoff.missing_keys(self.kv_runners(), ticket)
+
+    def export_kv(self, lease_id: str, wanted: dict[str, list[bytes]] | None = None) -> KVPayload:
+        """A lease's blocks (the `wanted` keys; None: all) as bytes; any thread. Then `release_lease`."""
+        return handoff.export_lease(self.leases, self.kv_runners(), lease_id, wanted)
+
+    def release_lease(self, lease_id: str) -> bool:
+        return handoff.release_lease(self.leases, self.kv_runners(), lease_id)
+
+    def expire_leases(self) -> int:
+        """Free the blocks of the leases nobody claimed in time; returns how many expired."""
+        return handoff.expire_leases(self.leases, self.kv_runners())
+
+    def import_kv(self, payload: KVPayload) -> int:
+        """Cache a prefill engine's blocks in this engine's pools; returns blocks written."""
+        return handoff.import_payload(self.kv_runners(), payload)
 
     # ---- convenience ---------------------------------------------------------------------------
 

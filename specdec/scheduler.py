@@ -88,7 +88,7 @@ class Scheduler:
     def schedule(self) -> list[Sequence]:
         """Sequences to run this step, each with its chunk set and slots for it in both pools."""
         scheduled: list[Sequence] = []
-        decoding = [s for s in self.running if s.num_pending <= 1]
+        decoding = [s for s in self.running if s.num_pending <= 1 and not s.handing_off]
         if decoding:
             left = self.budget.beside_decoding(sum(1 + self.num_draft(s) for s in decoding))
         else:
@@ -125,6 +125,11 @@ class Scheduler:
     def _set_chunk(self, seq: Sequence, left: int) -> int:
         """Set this step's target chunk and draft fill; returns the prefill tokens it takes."""
         pending = seq.num_pending
+        if seq.handing_off and pending <= 1:  # its token is out: the draft's fill is all that is left
+            goal = seq.prompt_len // self.draft_block_size * self.draft_block_size
+            lag = goal - seq.draft_table.num_computed if seq.draft_table is not None else 0
+            seq.num_new_tokens, seq.num_draft_fill = 0, max(0, min(lag, max(left, 1)))
+            return seq.num_draft_fill
         if pending <= 1:
             seq.num_new_tokens, seq.num_draft_fill = pending, 0
             return 0

@@ -71,6 +71,11 @@ class Sequence:
     logprobs: list[TokenLogprobs] | None = None  # emitted tokens' logprobs, when params.logprobs is set
     # Structured output: the grammar's state over the emitted tokens (`verify.controls.TokenConstraint`)
     constraint: Any = None
+    # Prefill/decode disaggregation (`specdec.handoff`): this request ends, once its first token is
+    # out and the draft's cache holds the prompt's full blocks, by handing its KV over;
+    # `handing_off` once the token is out and the draft's fill is all that is left.
+    handoff: bool = False
+    handing_off: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.token_ids)
@@ -120,6 +125,7 @@ class StepDelta:
     num_cached_tokens: int = 0  # prompt tokens served from the target's prefix cache
     stats: AcceptanceStats | None = None  # the request's acceptance counts, on its finishing delta
     logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids, when params.logprobs is set
+    handoff: Any = None  # a `handoff.HandoffTicket` on a handed-off request's last delta
 
 
 @dataclass

@@ -35,8 +35,10 @@ class Verifier:
         prefix caches."""
         windows = [self._window(p.seq, draft.token_ids[b, : draft.num_draft[b]]) for b, p in enumerate(plan.rows)]
         self.num_decode_rows = sum(len(w.token_ids) for w, p in zip(windows, plan.rows) if p.seq.num_pending <= 1)
-        fills = [p.seq for p in plan.seqs if p.seq.fills_only]
+        fills = [p.seq for p in plan.seqs if p.seq.fills_only and p.seq.num_new_tokens]
         windows += [_fill_window(s) for s in fills]
+        if not windows:  # only draft fills this step (requests handing their KV over)
+            return torch.empty(0, self.target.output_vocab, device=self.target.device)
         records = self.timings.verify if plan.rows else []  # a prefill-only step prices no verify
         with self.timings.timing(records, sum(len(w.token_ids) for w in windows), self.target.device):
             logits = self.target.forward(windows)

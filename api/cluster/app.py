@@ -6,6 +6,10 @@
                                   v
                                 EngineReplica x N (one Engine each)
 
+With `prefill_replicas` M > 0 (prefill/decode disaggregation, `pd.py`): M of the N are
+`PrefillReplica`s, which prefill prompts and hand their KV over, and the other N - M decode
+(`EngineReplica`s, each with a handle to the prefill replicas to pull the KV from).
+
 `build_app` makes the Ray Serve application (tests deploy it on a local Ray with tiny engines);
 `run` is the command: it joins `--ray-address` or starts a local Ray (dashboard off, bounded object
 store), deploys, and serves until interrupted.
@@ -34,6 +38,7 @@ class ClusterOptions:
     """How the replicas are deployed and routed (the engine's own settings are its factory's)."""
 
     replicas: int = 2
+    prefill_replicas: int = 0  # of `replicas`, those that only prefill (0: every replica does both)
     router: str = "prefix"
     replica_cpus: float = 1.0  # Ray's CPU reservation per replica
     replica_threads: int | None = None  # torch / OpenMP threads per replica (default: its CPUs)
@@ -45,10 +50,20 @@ class ClusterOptions:
     step_delay_s: float = 0.0  # slow every engine step (fault tests)
     log_level: str = "INFO"  # the replicas' and the ingress's (Ray Serve logging); replicas log no access lines
     balance: PrefixPolicyConfig | None = None
+    kv_lease_timeout_s: float = 30.0  # a prefill replica frees handed-over blocks nobody pulled by then
+    kv_pull_timeout_s: float = 30.0  # a decode replica recomputes the prompt when a pull takes longer
+    pull_delay_s: float = 0.0  # wait before every pull (fault tests: kill a prefill replica meanwhile)
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+        if self.prefill_replicas and not 0 < self.prefill_replicas < self.replicas:
+            raise ValueError(f"--prefill-replicas must leave at least one decode replica: got {self.prefill_replicas} "
+                             f"of {self.replicas} replicas")
+        if self.prefill_replicas < 0:
+            raise ValueError(f"--prefill-replicas must be >= 0, got {self.prefill_replicas}")
+        if self.kv_lease_timeout_s <= 0 or self.kv_pull_timeout_s <= 0:
+            raise ValueError("--kv-lease-timeout and --kv-pull-timeout must be positive")
         check_policy(self.router)
         if self.route_timeout_s <= 0 or self.stall_timeout_s <= 0:
             raise ValueError("--route-timeout and --stall-timeout must be positive")
@@ -57,10 +72,14 @@ class ClusterOptions:
 class Ingress:
     """The ingress deployment's body: the FastAPI app over a `ReplicaEngine`."""
 
-    def __init__(self, engine_handle: Any, settings: Any, route_timeout_s: float) -> None:
+    def __init__(self, engine_handle: Any, settings: Any, route_timeout_s: float, prefill_handle: Any = None) -> None:
         from specdec.api.cluster.client import ReplicaEngine
+        from specdec.api.cluster.pd import PDReplicaEngine
 
-        self._engine = ReplicaEngine(engine_handle, route_timeout_s)
+        if prefill_handle is not None:
+            self._engine = PDReplicaEngine(engine_handle, prefill_handle, route_timeout_s)
+        else:
+            self._engine = ReplicaEngine(engine_handle, route_timeout_s)
         self._settings = settings
 
     def __serve_build_asgi_app__(self) -> Any:
@@ -103,16 +122,41 @@ class RouterHeaderMiddleware:
 
 
 def build_app(engine_factory: Any, settings: Any, options: ClusterOptions) -> Any:
-    """The Ray Serve application: an ingress bound to N engine replicas."""
+    """The Ray Serve application: an ingress bound to N engine replicas (M of them prefill
+    replicas, the others decode replicas, with `options.prefill_replicas` M > 0)."""
     from ray import serve
-    from ray.serve.config import RequestRouterConfig
 
     from specdec.api.cluster.replica import EngineReplica
 
+    def deployment(name: str, num_replicas: int) -> Any:
+        return _engine_deployment(EngineReplica, name, num_replicas, settings, options)
+
+    ingress = serve.deployment(
+        serve.ingress()(Ingress), name="Ingress", num_replicas=1,
+        max_ongoing_requests=max(16, 2 * settings.max_concurrent), ray_actor_options={"num_cpus": 0},
+        logging_config={"log_level": options.log_level},
+    )
+    common = dict(warmup=options.warmup, stall_timeout_s=options.stall_timeout_s, step_delay_s=options.step_delay_s)
+    if not options.prefill_replicas:
+        replica = deployment("EngineReplica", options.replicas).bind(engine_factory, **common)
+        return ingress.bind(replica, settings, options.route_timeout_s)
+    prefill = deployment("PrefillReplica", options.prefill_replicas).bind(
+        engine_factory, role="prefill", lease_timeout_s=options.kv_lease_timeout_s, **common)
+    decode = deployment("EngineReplica", options.replicas - options.prefill_replicas).bind(
+        engine_factory, role="decode", prefill_handle=prefill, pull_timeout_s=options.kv_pull_timeout_s,
+        pull_delay_s=options.pull_delay_s, **common)
+    return ingress.bind(decode, settings, options.route_timeout_s, prefill)
+
+
+def _engine_deployment(cls: Any, name: str, num_replicas: int, settings: Any, options: ClusterOptions) -> Any:
+    """One deployment of engine replicas, routed by `SpecdecRouter`."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
     balance = options.balance or PrefixPolicyConfig()
     threads = options.replica_threads or max(1, int(options.replica_cpus))
-    engine = serve.deployment(
-        EngineReplica, name="EngineReplica", num_replicas=options.replicas,
+    return serve.deployment(
+        cls, name=name, num_replicas=num_replicas,
         max_ongoing_requests=max(8, settings.max_concurrent),
         health_check_period_s=options.health_check_period_s,
         health_check_timeout_s=max(30.0, options.health_check_period_s * 5),
@@ -130,14 +174,6 @@ def build_app(engine_factory: Any, settings: Any, options: ClusterOptions) -> An
             request_routing_stats_timeout_s=max(10.0, options.stats_period_s * 5),
         ),
     )
-    ingress = serve.deployment(
-        serve.ingress()(Ingress), name="Ingress", num_replicas=1,
-        max_ongoing_requests=max(16, 2 * settings.max_concurrent), ray_actor_options={"num_cpus": 0},
-        logging_config={"log_level": options.log_level},
-    )
-    replica = engine.bind(engine_factory, warmup=options.warmup, stall_timeout_s=options.stall_timeout_s,
-                          step_delay_s=options.step_delay_s)
-    return ingress.bind(replica, settings, options.route_timeout_s)
 
 
 def build_engine(config: Any) -> Any:
@@ -175,6 +211,14 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--replicas", type=int, default=None, metavar="N",
                    help="serve with N engine replicas on Ray Serve, routed by the prefix cache they hold "
                         "(without it: one engine in this process, and Ray is not imported)")
+    g.add_argument("--prefill-replicas", type=int, default=0, metavar="M",
+                   help="prefill/decode disaggregation: M of the N replicas only prefill prompts (through "
+                        "target and draft) and hand both KV caches over; the other N - M decode. "
+                        "Pays when long prompts arrive while other streams decode (docs/scaling.md)")
+    g.add_argument("--kv-lease-timeout", type=float, default=30.0, metavar="S",
+                   help="with --prefill-replicas: a prefill replica frees handed-over KV nobody pulled after S seconds")
+    g.add_argument("--kv-pull-timeout", type=float, default=30.0, metavar="S",
+                   help="with --prefill-replicas: a decode replica whose pull takes longer recomputes the prompt")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (`ray start --head` on one machine, `ray start --address` "
                         "on the others); default: start a local Ray")
@@ -211,14 +255,16 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     cpus = os.cpu_count() or 1
     replica_cpus = args.replica_cpus or max(1.0, cpus // args.replicas)
     options = ClusterOptions(
-        replicas=args.replicas, router=args.router, replica_cpus=replica_cpus,
+        replicas=args.replicas, prefill_replicas=args.prefill_replicas, router=args.router,
+        replica_cpus=replica_cpus, kv_lease_timeout_s=args.kv_lease_timeout, kv_pull_timeout_s=args.kv_pull_timeout,
         route_timeout_s=args.route_timeout, stall_timeout_s=args.stall_timeout, warmup=args.warmup,
         balance=PrefixPolicyConfig(args.router_balance_abs, args.router_balance_rel, args.router_min_match),
         log_level=args.log_level.upper(),
     )
     start_ray(args.ray_address, num_cpus=max(cpus, int(replica_cpus * args.replicas)))
-    logger.info("deploying %d engine replica(s) (%g CPU each, router: %s); /health is 200 once one is ready",
-                options.replicas, replica_cpus, options.router)
+    logger.info("deploying %d engine replica(s)%s (%g CPU each, router: %s); /health is 200 once one is ready",
+                options.replicas, f", {options.prefill_replicas} of them prefill only" if options.prefill_replicas else "",
+                replica_cpus, options.router)
     signal.signal(signal.SIGTERM, _interrupt)  # docker stop, systemd: shut down as on Ctrl-C, even mid-deploy
     started = time.perf_counter()
     try:
@@ -252,23 +298,28 @@ def _replica_error() -> str | None:
     from ray import serve
 
     try:
-        deployment = serve.status().applications[APP_NAME].deployments["EngineReplica"]
+        deployments = serve.status().applications[APP_NAME].deployments
     except Exception:  # noqa: BLE001 - no status: fall back to the exception
         return None
-    return _last_line(deployment.message) if deployment.message else None
+    for name in ("EngineReplica", "PrefillReplica"):
+        deployment = deployments.get(name)
+        if deployment is not None and deployment.message:
+            return _last_line(deployment.message)
+    return None
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def replica_actor_name(replica_id: str, app: str = APP_NAME) -> str:
+def replica_actor_name(replica_id: str, app: str = APP_NAME, deployment: str = "EngineReplica") -> str:
     """The Ray actor name of an engine replica (as /cluster lists it by id), in Serve's namespace."""
-    return f"SERVE_REPLICA::{app}#EngineReplica#{replica_id}"
+    return f"SERVE_REPLICA::{app}#{deployment}#{replica_id}"
 
 
-def kill_replica(replica_id: str, app: str = APP_NAME) -> None:
-    """Kill an engine replica's process now, as a crash would (fault drills; Ray Serve replaces it)."""
+def kill_replica(replica_id: str, app: str = APP_NAME, deployment: str = "EngineReplica") -> None:
+    """Kill an engine replica's process now, as a crash would (fault drills; Ray Serve replaces it).
+    `deployment`: "PrefillReplica" for a prefill replica."""
     import ray
 
-    ray.kill(ray.get_actor(replica_actor_name(replica_id, app), namespace="serve"), no_restart=True)
+    ray.kill(ray.get_actor(replica_actor_name(replica_id, app, deployment), namespace="serve"), no_restart=True)

@@ -21,6 +21,8 @@ import asyncio
 import contextvars
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -39,6 +41,16 @@ logger = logging.getLogger("specdec.api")
 # A per-request router override (the `x-specdec-router` header; benchmarks compare policies).
 REQUEST_POLICY: contextvars.ContextVar[str | None] = contextvars.ContextVar("specdec_router", default=None)
 MAX_ATTEMPTS = 2  # the first try and one retry on another replica
+
+
+@dataclass
+class Attempt:
+    """How one try on a replica went."""
+
+    ended: bool = False  # the stream got its end: answered, or refused (an error already on it)
+    refused: bool = False  # the engine refused it or no replica took it (the error is on the stream)
+    delivered: bool = False  # deltas reached the stream
+    error: BaseException | None = None  # the replica's failure (not ended)
 
 
 class ReplicaEngine:
@@ -140,7 +152,8 @@ class ReplicaEngine:
         )
         self.ready.set()
 
-    async def _pump(self, requests: list[GenerationRequest], stream: RequestStream, hint: RoutingHint) -> None:
+    async def _pump(self, requests: list[GenerationRequest], stream: RequestStream, hint: RoutingHint,
+                    sink: Callable[[Any], bool] | None = None) -> None:
         """Send the requests to a replica and put what it streams on `stream`; see the module doc."""
         last_error: BaseException | None = None
         for attempt in range(MAX_ATTEMPTS):
@@ -150,11 +163,11 @@ class ReplicaEngine:
                     self.ledger.retries += 1
                 logger.warning("replica %s failed before streaming (%s); sending %s to another replica",
                                hint.avoid, last_error, requests[0].request_id)
-            outcome = await self._attempt(requests, stream, hint)
-            if outcome is None:
+            outcome = await self._attempt(requests, stream, hint, sink=sink)
+            if outcome.ended:
                 return
-            delivered, last_error = outcome
-            if delivered:
+            last_error = outcome.error
+            if outcome.delivered:
                 with self.ledger.lock:
                     self.ledger.stream_errors += 1
                 stream.queue.put_nowait(RequestFailedError(
@@ -163,15 +176,15 @@ class ReplicaEngine:
         stream.queue.put_nowait(RequestFailedError(
             f"the request failed on {MAX_ATTEMPTS} replicas: {_describe_error(last_error)}"))
 
-    async def _attempt(self, requests: list[GenerationRequest], stream: RequestStream,
-                       hint: RoutingHint) -> tuple[bool, BaseException] | None:
-        """One try: None when the stream ended (answered, or refused by the engine), else
-        (whether any delta was delivered, the replica's failure)."""
+    async def _attempt(self, requests: list[GenerationRequest], stream: RequestStream, hint: RoutingHint,
+                       handle: Any = None, sink: Callable[[Any], bool] | None = None) -> Attempt:
+        """One try on `handle` (default: the engine replicas). `sink` sees every item that is not
+        an error first, and says whether it goes on `stream`."""
         ids = [r.request_id for r in requests]
-        response = self._handle.options(stream=True).generate.remote(requests, routing=hint)
+        response = (handle or self._handle).options(stream=True).generate.remote(requests, routing=hint)
         delivered = False
         last: dict[str, StepDelta] = {}
-        answer: list[int] = []  # the first choice's tokens
+        answer: list[int] = list(requests[0].generated or [])  # the first choice's tokens
         self._routing += 1
         routing = True
         try:
@@ -187,17 +200,17 @@ class ReplicaEngine:
                             self.ledger.active.update(dict.fromkeys(ids, item.replica_id))
                     elif isinstance(item, ValueError):  # the engine refused the request: the client's fault
                         stream.queue.put_nowait(item)
-                        return None
+                        return Attempt(ended=True, refused=True)
                     elif isinstance(item, BaseException):  # the replica's engine failed it
-                        return delivered, item
-                    else:
+                        return Attempt(delivered=delivered, error=item)
+                    elif sink is None or sink(item):
                         stream.queue.put_nowait(item)
                         delivered = True
                         last[item.request_id] = item
                         if item.request_id == ids[0]:
                             answer.extend(item.token_ids)
             self._answered(hint.replica_id, requests[0], last.get(ids[0]), answer)
-            return None
+            return Attempt(ended=True, delivered=delivered)
         except asyncio.CancelledError:
             response.cancel()
             raise
@@ -205,9 +218,9 @@ class ReplicaEngine:
             response.cancel()
             stream.queue.put_nowait(EngineDeadError(
                 f"no engine replica took the request within {self.route_timeout_s:.0f}s"))
-            return None
+            return Attempt(ended=True, refused=True)
         except Exception as exc:  # noqa: BLE001 - a Ray error: the replica died or was unreachable
-            return delivered, exc
+            return Attempt(delivered=delivered, error=exc)
         finally:
             if routing:
                 self._routing -= 1
@@ -253,7 +266,33 @@ class ReplicaEngine:
         for replica in status["replicas"]:
             for family, key in zip(per_replica, ("requests", "prompt_tokens", "cached_tokens")):
                 family.add_metric([replica["id"]], replica[key])
-        return [decisions, retries, cut, replicas, *per_replica]
+        return [decisions, retries, cut, replicas, *per_replica, *_transfer_metrics(status["replicas"])]
+
+
+TRANSFER_METRICS = (  # (name, counter key, help): the decode replicas' pulls, the prefill replicas' leases
+    ("specdec_kv_transfer_pulls", "pulls", "Handed-over requests whose KV blocks a decode replica pulled"),
+    ("specdec_kv_transfer_blocks", "blocks", "KV blocks pulled (both caches)"),
+    ("specdec_kv_transfer_bytes", "bytes", "KV bytes pulled (both caches)"),
+    ("specdec_kv_transfer_seconds", "seconds", "Wall time of the pulls"),
+    ("specdec_kv_transfer_skipped_blocks", "skipped_blocks", "Handed-over blocks not pulled: the decode "
+     "replica held them already"),
+    ("specdec_kv_transfer_recomputed", "recomputed", "Handed-over requests whose pull failed (the decode "
+     "replica recomputed the prompt)"),
+    ("specdec_kv_leases_granted", "leases_granted", "Leases the prefill replicas granted"),
+    ("specdec_kv_leases_expired", "leases_expired", "Leases that expired unpulled (their blocks freed)"),
+)
+
+
+def _transfer_metrics(replicas: list[dict]) -> list[Metric]:
+    """Prefill/decode disaggregation's counters, summed over the replicas (none without PD)."""
+    reports = [r["kv_transfer"] for r in replicas if "kv_transfer" in r]
+    if not reports:
+        return []
+    families: list[Metric] = [CounterMetricFamily(name, text, value=sum(r.get(key, 0) for r in reports))
+                              for name, key, text in TRANSFER_METRICS]
+    families.append(GaugeMetricFamily("specdec_kv_leases_held", "Leases the prefill replicas hold now",
+                                      value=sum(r.get("leases_held", 0) for r in reports)))
+    return families
 
 
 async def _with_first(first: list, rest: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from specdec.api.cluster.routing import REASONS, ReplicaView
@@ -27,6 +27,9 @@ class RoutingLedger:
         self.prompt_tokens: Counter[str] = Counter()  # per replica
         self.cached_tokens: Counter[str] = Counter()  # per replica: prompt tokens found in its cache
         self.active: dict[str, str] = {}  # request id -> the replica streaming it
+        # each router's "apply the replicas' latest reports" (called with the lock held), so that
+        # /cluster and /metrics are current between routed requests
+        self.refreshers: list[Callable[[], None]] = []
 
     def view(self, replica_id: str) -> ReplicaView:
         """The replica's view, created on first sight (call with the lock held)."""
@@ -54,19 +57,29 @@ class RoutingLedger:
     def status(self) -> dict[str, Any]:
         """GET /cluster: the router's view of every replica, and its counters."""
         with self.lock:
+            for refresh in self.refreshers:
+                refresh()
             replicas = []
             for replica_id, view in sorted(self.views.items()):
                 stats = view.stats
                 replicas.append({
-                    "id": replica_id, "in_flight": view.in_flight,
+                    "id": replica_id, "role": stats.get("role", "both"), "in_flight": view.in_flight,
                     "cached_blocks_reported": len(view.held), "blocks_predicted": len(view.predicted),
                     "requests": self.requests[replica_id], "prompt_tokens": self.prompt_tokens[replica_id],
                     "cached_tokens": self.cached_tokens[replica_id],
                     "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
+                    "reported_at": stats.get("time"),  # the replica's clock when it reported
                     "active_requests": sorted(r for r, rep in self.active.items() if rep == replica_id),
+                    **({"kv_transfer": _transfer_status(stats)} if stats.get("role") in ("prefill", "decode") else {}),
                 })
             return {"router": self.policy, "replicas": replicas, "decisions": dict(self.decisions),
                     "retries": self.retries, "stream_errors": self.stream_errors}
+
+
+def _transfer_status(stats: dict) -> dict[str, Any]:
+    """A PD replica's handoff counters, for /cluster."""
+    return {**stats.get("transfers", {}), "leases_held": stats.get("leases_held", 0),
+            "leases_expired": stats.get("leases_expired", 0), "imported_blocks": stats.get("kv_imported_blocks", 0)}
 
 
 LEDGER = RoutingLedger()

@@ -25,6 +25,9 @@ class SpecdecRouter(FIFOMixin, RequestRouter):
         """`config`: `PrefixPolicyConfig`'s fields (balance_abs, balance_rel, min_match)."""
         self._policy = PrefixPolicy(policy, PrefixPolicyConfig(**config))
         self._seen_reports: dict[str, Any] = {}
+        self._mine: set[str] = set()  # this deployment's replicas (the ledger may hold another's too)
+        self._running: list[RunningReplica] = []  # (RequestRouter owns `_replicas`)
+        ledger.LEDGER.refreshers.append(lambda: self._refresh(self._running))
         self._routed: dict[str, str] = {}  # Ray's internal request id -> replica id
         ledger.LEDGER.policy = policy
 
@@ -64,7 +67,7 @@ class SpecdecRouter(FIFOMixin, RequestRouter):
             view = ledger.LEDGER.view(rid)
             view.in_flight += 1
             view.predict(hint.keys, self._policy.config.max_predicted)
-            if hint.reason is not None and _is_generation(pending_request):  # not `describe` calls
+            if hint.reason not in (None, "pinned") and _is_generation(pending_request):  # not describe, pulls
                 ledger.LEDGER.decisions[hint.reason] += 1
         self._routed[pending_request.metadata.internal_request_id] = rid
 
@@ -83,9 +86,11 @@ class SpecdecRouter(FIFOMixin, RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        self._running = list(replicas)
         alive = {r.replica_id.unique_id for r in replicas}
         with ledger.LEDGER.lock:
-            gone = [rid for rid in ledger.LEDGER.views if rid not in alive]
+            gone = [rid for rid in self._mine if rid not in alive]
+            self._mine = set(alive)
             for rid in alive:  # /cluster lists every running replica, routed to yet or not
                 ledger.LEDGER.view(rid)
         ledger.LEDGER.forget(gone)

@@ -22,7 +22,8 @@ not a guess from characters. Each replica's `ReplicaView` knows
 
 The other policies, for comparison: `pow2` (two random replicas, shorter queue first),
 `round-robin`, and `one` (every request to the same replica, as if there were only one). A retry
-avoids the replica that failed (`avoid`) when another one is left.
+avoids the replica that failed (`avoid`) when another one is left; a KV pull goes to the prefill
+replica holding the lease (`pin`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RoutingHint:
     keys: list[bytes] = field(default_factory=list)  # the prompt's full-block keys, in order
     policy: str | None = None  # a per-request override of the router's policy (benchmarks)
     avoid: str | None = None  # a replica id not to use (it failed this request before)
+    pin: str | None = None  # this replica and no other (a KV pull from the prefill replica holding it)
     reason: str | None = None  # set by the router: why it chose the replica
     matched_blocks: int = 0  # set by the router: the prompt blocks the chosen replica holds
     replica_id: str | None = None  # set by the router: the replica it sent the request to
@@ -136,6 +138,9 @@ class PrefixPolicy:
         if not replicas:
             raise ValueError("no replica to route to")
         candidates = sorted(replicas, key=lambda r: r.replica_id)
+        if hint.pin is not None:  # gone: any other answers that it holds no such lease, at once
+            pinned = [r for r in candidates if r.replica_id == hint.pin]
+            return Decision([r.replica_id for r in pinned or candidates], "pinned")
         if hint.avoid is not None and len(candidates) > 1:
             candidates = [r for r in candidates if r.replica_id != hint.avoid] or candidates
         policy = hint.policy or self.policy

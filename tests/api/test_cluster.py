@@ -80,15 +80,21 @@ class Cluster:
         return {r["id"]: r["requests"] for r in self.status()["replicas"]}
 
 
-@pytest.fixture(scope="module")
-def cluster():
+def serving(c: Cluster, deploy):
+    """A local Ray (2 CPUs), Ray Serve's proxy on the cluster's port, `deploy()`; yields the
+    cluster, then shuts it all down (a module fixture's body)."""
     start_ray(None, num_cpus=2, object_store_bytes=128 << 20, log_to_driver=False)
-    c = Cluster()
     serve.start(http_options={"host": "127.0.0.1", "port": c.port})
-    c.deploy()
+    deploy()
     yield c
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster()
+    yield from serving(c, c.deploy)
 
 
 def conversation(cluster: Cluster, salt: str, **headers) -> tuple[dict, dict, str, str]:

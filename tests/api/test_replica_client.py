@@ -9,7 +9,7 @@ import pytest
 
 from specdec.api.cluster.client import ReplicaEngine
 from specdec.api.cluster.ledger import RoutingLedger
-from specdec.api.cluster.replica import Accepted, ReplicaFacts
+from specdec.api.cluster.replica import Accepted, ReplicaFacts, TransferCounters
 from specdec.api.engine_loop import EngineDeadError, GenerationRequest, RequestFailedError
 from specdec.cache.block_pool import prefix_block_keys
 from specdec.sampling_params import SamplingParams
@@ -206,6 +206,7 @@ def bare_replica(engine, stall_timeout_s: float = 300.0):
 
     replica = object.__new__(EngineReplica)
     replica.engine, replica.stall_timeout_s, replica.replica_id, replica._reports = engine, stall_timeout_s, "x", 0
+    replica.role, replica.transfers, replica._prefill = "both", TransferCounters(), None
     return replica
 
 

@@ -27,6 +27,12 @@ def test_replica_flags_parse_and_bad_ones_are_refused(capsys):
     assert "--replicas must be at least 1" in capsys.readouterr().err
     assert main(["serve", "--replicas", "2", "--route-timeout", "0"]) == 2
     assert "--route-timeout" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--replicas", "3", "--prefill-replicas", "1", "--kv-lease-timeout", "5"])
+    assert (args.prefill_replicas, args.kv_lease_timeout, args.kv_pull_timeout) == (1, 5.0, 30.0)
+    assert main(["serve", "--replicas", "2", "--prefill-replicas", "2"]) == 2
+    assert "at least one decode replica" in capsys.readouterr().err
+    assert main(["serve", "--prefill-replicas", "1"]) == 2
+    assert "needs --replicas" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -1,0 +1,68 @@
+"""Whole KV blocks as bytes, out of one paged cache and into another (prefill/decode handoff).
+
+A block's bytes are every layer's keys and values for its `S` slots: `[L, 2, S, Hkv, D]` of the
+cache's dtype, carried as `uint8` so fp8 and bf16 travel as they are stored. Two caches can
+exchange blocks only when their specs are equal (`check_compatible`); nothing is converted.
+
+    data = read_blocks(cache, [4, 9])                 # [2, L, 2, S, Hkv, D] as bytes
+    write_blocks(pool, cache2, [key_a, key_b], data)  # cached in cache2's pool under the keys
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .block_pool import BlockKey, BlockPool
+from .kv_cache import KVCacheSpec, PagedKVCache
+
+
+def block_shape(spec: KVCacheSpec) -> tuple[int, ...]:
+    """One block's layout in transit: `[L, 2, S, Hkv, D]` in the cache's dtype."""
+    return (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+
+
+def read_blocks(cache: PagedKVCache, block_ids: list[int]) -> np.ndarray:
+    """`[n, L, 2, S, Hkv, D]` of the cache's dtype as bytes (`uint8`, last axis times the element
+    size): a copy, so the blocks may be freed once it returns."""
+    if not block_ids:
+        return np.zeros((0, *block_shape(cache.spec)[:-1], 0), dtype=np.uint8)
+    index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
+    blocks = cache.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, L, 2, S, H, D]
+    return blocks.view(torch.uint8).cpu().numpy()
+
+
+def write_blocks(pool: BlockPool, cache: PagedKVCache, keys: list[BlockKey], data: np.ndarray) -> int:
+    """Put blocks read by `read_blocks` into `cache` as cached, unheld blocks of `pool` under
+    `keys` (a prefix lookup finds them; they are evicted like any freed block). Keys the pool
+    already caches are skipped; when free blocks run short the rest are dropped (a later prefill
+    recomputes them). Returns how many blocks were written."""
+    shape = block_shape(cache.spec)
+    element = torch.empty((), dtype=cache.spec.dtype).element_size()
+    expected = (len(keys), *shape[:-1], shape[-1] * element)
+    if tuple(data.shape) != expected or data.dtype != np.uint8:
+        raise ValueError(f"blocks of shape {tuple(data.shape)} ({data.dtype}) do not fit this cache: "
+                         f"expected {expected} (uint8)")
+    missing = [i for i, key in enumerate(keys) if pool.lookup(key) is None]
+    missing = missing[: pool.num_free]
+    if not missing or not pool.enable_caching:
+        return 0
+    block_ids = pool.allocate(len(missing))  # all at once: none of them evicts another
+    try:
+        rows = torch.from_numpy(np.ascontiguousarray(data[missing])).to(cache.kv.device)
+        blocks = rows.view(cache.spec.dtype).view(len(missing), *shape)  # [n, L, 2, S, H, D]
+        index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
+        cache.kv.index_copy_(2, index, blocks.permute(1, 2, 0, 3, 4, 5))
+        for block_id, i in zip(block_ids, missing):
+            pool.register(block_id, keys[i])
+    finally:
+        pool.free(reversed(block_ids))  # cached and unheld (the tail evicted first), or free again
+    return len(missing)
+
+
+def check_compatible(sender: KVCacheSpec, receiver: KVCacheSpec) -> None:
+    """ValueError naming the first field in which two caches' blocks differ."""
+    for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
+        a, b = getattr(sender, name), getattr(receiver, name)
+        if a != b:
+            raise ValueError(f"KV caches differ in {name}: {a} vs {b}")
