@@ -1,10 +1,11 @@
 """Whole KV blocks as bytes, out of one paged cache and into another (prefill/decode handoff).
 
-A block's bytes are every layer's keys and values for its `S` slots: `[L, 2, S, Hkv, D]` of the
-cache's dtype, carried as `uint8` so fp8 and bf16 travel as they are stored. Two caches can
-exchange blocks only when their specs are equal (`check_compatible`); nothing is converted.
+Blocks travel in the cache's own order, `[L, 2, n, S, Hkv, D]` of its dtype (so reading and
+writing them is one gather and one scatter along the block axis), carried as `uint8` so fp8 and
+bf16 travel as they are stored. Two caches can exchange blocks only when their specs are equal
+(`check_compatible`); nothing is converted.
 
-    data = read_blocks(cache, [4, 9])                 # [2, L, 2, S, Hkv, D] as bytes
+    data = read_blocks(cache, [4, 9])                 # [L, 2, 2, S, Hkv, D] as bytes
     write_blocks(pool, cache2, [key_a, key_b], data)  # cached in cache2's pool under the keys
 """
 
@@ -17,19 +18,18 @@ from .block_pool import BlockKey, BlockPool
 from .kv_cache import KVCacheSpec, PagedKVCache
 
 
-def block_shape(spec: KVCacheSpec) -> tuple[int, ...]:
-    """One block's layout in transit: `[L, 2, S, Hkv, D]` in the cache's dtype."""
-    return (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+def transit_shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
+    """`num_blocks` blocks in transit: `[L, 2, n, S, Hkv, D * element size]` bytes."""
+    element = torch.empty((), dtype=spec.dtype).element_size()
+    return (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim * element)
 
 
 def read_blocks(cache: PagedKVCache, block_ids: list[int]) -> np.ndarray:
-    """`[n, L, 2, S, Hkv, D]` of the cache's dtype as bytes (`uint8`, last axis times the element
+    """`[L, 2, n, S, Hkv, D]` of the cache's dtype as bytes (`uint8`, last axis times the element
     size): a copy, so the blocks may be freed once it returns."""
-    if not block_ids:
-        return np.zeros((0, *block_shape(cache.spec)[:-1], 0), dtype=np.uint8)
     index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
-    blocks = cache.kv.index_select(2, index).permute(2, 0, 1, 3, 4, 5).contiguous()  # [n, L, 2, S, H, D]
-    return blocks.view(torch.uint8).cpu().numpy()
+    blocks = cache.kv.index_select(2, index)  # [L, 2, n, S, H, D], contiguous
+    return blocks.view(torch.uint8).cpu().numpy().reshape(transit_shape(cache.spec, len(block_ids)))
 
 
 def write_blocks(pool: BlockPool, cache: PagedKVCache, keys: list[BlockKey], data: np.ndarray) -> int:
@@ -37,9 +37,7 @@ def write_blocks(pool: BlockPool, cache: PagedKVCache, keys: list[BlockKey], dat
     `keys` (a prefix lookup finds them; they are evicted like any freed block). Keys the pool
     already caches are skipped; when free blocks run short the rest are dropped (a later prefill
     recomputes them). Returns how many blocks were written."""
-    shape = block_shape(cache.spec)
-    element = torch.empty((), dtype=cache.spec.dtype).element_size()
-    expected = (len(keys), *shape[:-1], shape[-1] * element)
+    expected = transit_shape(cache.spec, len(keys))
     if tuple(data.shape) != expected or data.dtype != np.uint8:
         raise ValueError(f"blocks of shape {tuple(data.shape)} ({data.dtype}) do not fit this cache: "
                          f"expected {expected} (uint8)")
@@ -49,10 +47,10 @@ def write_blocks(pool: BlockPool, cache: PagedKVCache, keys: list[BlockKey], dat
         return 0
     block_ids = pool.allocate(len(missing))  # all at once: none of them evicts another
     try:
-        rows = torch.from_numpy(np.ascontiguousarray(data[missing])).to(cache.kv.device)
-        blocks = rows.view(cache.spec.dtype).view(len(missing), *shape)  # [n, L, 2, S, H, D]
+        chosen = data if len(missing) == len(keys) else data[:, :, missing]
+        blocks = torch.from_numpy(np.ascontiguousarray(chosen)).to(cache.kv.device)
         index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
-        cache.kv.index_copy_(2, index, blocks.permute(1, 2, 0, 3, 4, 5))
+        cache.kv.index_copy_(2, index, blocks.view(cache.spec.dtype))  # [L, 2, n, S, H, D]
         for block_id, i in zip(block_ids, missing):
             pool.register(block_id, keys[i])
     finally:

@@ -279,17 +279,26 @@ def run_pd(args: argparse.Namespace) -> int:
     )
     out = _out_dir(args, "bench-serve-pd")
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    for name in opts.layouts:
+    results: dict[str, dict] = {}
+    report = {"meta": provenance(args, args.words), "options": dict(vars(opts)), "results": results}
+    for i, name in enumerate(opts.layouts):
         print(f"{name}: starting specdec serve {' '.join(opts.model_args + pd_bench.layout_args(name, opts.cpus))}",
               flush=True)
-        results[name] = pd_bench.run_layout(name, opts, out)
+        try:  # each layout on its own port: the one before may still be letting go of its own
+            results[name] = pd_bench.run_layout(name, opts, out, opts.port + i)
+        except RuntimeError as exc:
+            print(f"{name}: failed: {exc}", flush=True)
+            report.setdefault("failed", {})[name] = str(exc)
+            continue
+        finally:
+            (out / "pd.json").write_text(json.dumps(report, indent=1, default=str))
         print(f"{name}: done ({results[name]['long_arrivals']['itl_p99_over_p50'] or 0:.2f}x ITL p99/p50)", flush=True)
+    if not results:
+        return 1
     same = pd_bench.same_answers(results)
-    report = {"meta": provenance(args, args.words), "options": {k: v for k, v in vars(opts).items()},
-              "results": results, "same_answers_as_" + opts.layouts[0]: same}
+    report["same_answers_as_" + next(iter(results))] = same
     (out / "pd.json").write_text(json.dumps(report, indent=1, default=str))
-    text = pd_bench.table(results) + "\n\nevery greedy answer equal to " + opts.layouts[0] + "'s: " + \
+    text = pd_bench.table(results) + "\n\nevery greedy answer equal to " + next(iter(results)) + "'s: " + \
         ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()) + "\n"
     (out / "pd.md").write_text(text)
     print(text)

@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 LAYOUTS = ("pd", "colocated", "plain")
+WARM_CHUNKS = 12  # chunks every running stream has streamed before the first long prompt arrives
 
 
 @dataclass
@@ -116,13 +117,14 @@ class Server:
 
 
 async def stream(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, ignore_eos: bool,
-                 model: str) -> Trace:
-    """A greedy streamed completion of token ids; logprobs 0 names each chunk's tokens."""
+                 model: str, trace: Trace | None = None) -> Trace:
+    """A greedy streamed completion of token ids into `trace` (logprobs 0 names each chunk's tokens)."""
     import json
 
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "logprobs": 0, "ignore_eos": ignore_eos}
-    trace = Trace(time.perf_counter())
+    trace = trace or Trace(time.perf_counter())
+    trace.sent = time.perf_counter()
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -170,8 +172,12 @@ def prompts(url: str, opts: PDBenchOptions) -> tuple[list[list[int]], list[list[
 async def long_arrivals(url: str, opts: PDBenchOptions, streams: list[list[int]], longs: list[list[int]],
                         model: str) -> dict:
     async with httpx.AsyncClient(timeout=None, trust_env=False) as client:
-        running = [asyncio.create_task(stream(client, url, p, opts.stream_tokens, True, model)) for p in streams]
-        await asyncio.sleep(3.0)  # the streams are decoding
+        live = [Trace(time.perf_counter()) for _ in streams]
+        running = [asyncio.create_task(stream(client, url, p, opts.stream_tokens, True, model, trace))
+                   for p, trace in zip(streams, live)]
+        deadline = time.perf_counter() + 120
+        while min(len(t.times) for t in live) < WARM_CHUNKS and time.perf_counter() < deadline:
+            await asyncio.sleep(0.1)  # every stream decodes steadily before the first arrival
         started = time.perf_counter()
         arrivals = []
         for i, prompt in enumerate(longs):
@@ -204,6 +210,10 @@ async def long_arrivals(url: str, opts: PDBenchOptions, streams: list[list[int]]
         "errors": [t.error for t in stream_traces + long_traces if t.error],
         "stream_ended_early": [t.times[-1] < window_end if t.times else True for t in stream_traces],
         "texts": [t.text for t in long_traces], "stream_texts": [t.text for t in stream_traces],
+        # the raw timeline, seconds from the first arrival: each stream's chunks, each long prompt's
+        "stream_chunks": [[round(x - started, 4) for x in t.times] for t in stream_traces],
+        "long_sent_first": [[round(t.sent - started, 3), round(t.times[0] - started, 3) if t.times else None]
+                            for t in long_traces],
     }
 
 
@@ -234,8 +244,9 @@ def transfer_counters(url: str) -> dict[str, float]:
     return out
 
 
-def run_layout(name: str, opts: PDBenchOptions, out: Path) -> dict:
-    server = Server(opts.model_args + layout_args(name, opts.cpus), opts.port, out / f"server-{name}.log")
+def run_layout(name: str, opts: PDBenchOptions, out: Path, port: int) -> dict:
+    """Start the layout's server, run both workloads, stop it; RuntimeError when it cannot serve."""
+    server = Server(opts.model_args + layout_args(name, opts.cpus), port, out / f"server-{name}.log")
     try:
         server.wait_ready(opts.startup_timeout_s)
         time.sleep(3.0)  # replicas report their caches; the router knows both
@@ -248,6 +259,8 @@ def run_layout(name: str, opts: PDBenchOptions, out: Path) -> dict:
         arrivals["transfer"] = {k: after[k] - before[k] for k in after}
         short = asyncio.run(short_low_load(server.url, shorts, opts.short_tokens, model))
         return {"long_arrivals": arrivals, "short_low_load": short}
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"{type(exc).__name__}: {exc}") from exc
     finally:
         server.stop()
 

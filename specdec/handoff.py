@@ -47,7 +47,7 @@ class KVPayload:
     """Blocks read out of a prefill engine's pools: per pool, their keys and their bytes."""
 
     lease_id: str
-    blocks: dict[str, tuple[list[BlockKey], np.ndarray]] = field(default_factory=dict)  # [n, L, 2, S, H, D]
+    blocks: dict[str, tuple[list[BlockKey], np.ndarray]] = field(default_factory=dict)  # [L, 2, n, S, H, D] bytes
     read_seconds: float = 0.0
 
     @property
