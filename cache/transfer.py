@@ -11,6 +11,8 @@ bf16 travel as they are stored. Two caches can exchange blocks only when their s
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -47,8 +49,10 @@ def write_blocks(pool: BlockPool, cache: PagedKVCache, keys: list[BlockKey], dat
         return 0
     block_ids = pool.allocate(len(missing))  # all at once: none of them evicts another
     try:
-        chosen = data if len(missing) == len(keys) else data[:, :, missing]
-        blocks = torch.from_numpy(np.ascontiguousarray(chosen)).to(cache.kv.device)
+        chosen = np.ascontiguousarray(data if len(missing) == len(keys) else data[:, :, missing])
+        with warnings.catch_warnings():  # read-only bytes (Ray's object store): only ever read here
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            blocks = torch.from_numpy(chosen).to(cache.kv.device)
         index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
         cache.kv.index_copy_(2, index, blocks.view(cache.spec.dtype))  # [L, 2, n, S, H, D]
         for block_id, i in zip(block_ids, missing):

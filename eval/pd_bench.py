@@ -152,21 +152,40 @@ WORDS = ("the model reads every weight once a token so a long prompt keeps the c
 
 
 def prompts(url: str, opts: PDBenchOptions) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """(stream prompts, long prompts, short prompts): seeded word salad tokenized by the server and
-    cut to length, every one distinct (no prefix cache hit between them)."""
+    """(stream prompts, long prompts, short prompts) as token ids, every one distinct (no prefix
+    cache hit between them): HumanEval prompts for the streams and the short requests, HumanEval
+    problems and solutions run together for the long ones (seeded word salad without the dataset)."""
     import random
 
     rng = random.Random(opts.seed)
+    tokenize = lambda text: httpx.post(url + "/tokenize", json={"prompt": text}, timeout=30,  # noqa: E731
+                                       trust_env=False).json()["tokens"]
+    try:
+        from specdec.eval.datasets import humaneval_prompts
 
-    def draw(n: int) -> list[int]:
-        text = f"{rng.random()} " + " ".join(rng.choice(WORDS) for _ in range(n))
-        ids = httpx.post(url + "/tokenize", json={"prompt": text}, timeout=30, trust_env=False).json()["tokens"]
-        if len(ids) < n:
-            raise RuntimeError(f"a {n}-word text tokenized to {len(ids)} tokens")
-        return ids[:n]
-
-    return ([draw(48) for _ in range(opts.streams)], [draw(opts.long_tokens) for _ in range(opts.long_prompts)],
-            [draw(32) for _ in range(opts.short_requests)])
+        problems = list(humaneval_prompts())
+    except Exception:  # noqa: BLE001 - the dataset is not installed
+        problems = []
+    if len(problems) < opts.streams + opts.short_requests + 8:
+        def salad(n: int) -> list[int]:
+            return tokenize(f"{rng.random()} " + " ".join(rng.choice(WORDS) for _ in range(n)))[:n]
+        return ([salad(48) for _ in range(opts.streams)], [salad(opts.long_tokens) for _ in range(opts.long_prompts)],
+                [salad(32) for _ in range(opts.short_requests)])
+    rng.shuffle(problems)
+    streams = [tokenize(p.text) for p in problems[: opts.streams]]
+    shorts = [tokenize(p.text) for p in problems[opts.streams : opts.streams + opts.short_requests]]
+    rest = problems[opts.streams + opts.short_requests :]
+    longs = []
+    for i in range(opts.long_prompts):
+        picked, ids = rest[i::opts.long_prompts], []
+        for problem in picked:  # solved problems, then an open one last
+            ids = tokenize("\n\n".join(p.text + p.reference for p in picked[: picked.index(problem) + 1]))
+            if len(ids) >= opts.long_tokens:
+                break
+        if len(ids) < opts.long_tokens:
+            raise RuntimeError(f"not enough HumanEval text for {opts.long_tokens}-token prompts")
+        longs.append(ids[: opts.long_tokens])
+    return streams, longs, shorts
 
 
 async def long_arrivals(url: str, opts: PDBenchOptions, streams: list[list[int]], longs: list[list[int]],
