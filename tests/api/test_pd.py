@@ -154,8 +154,8 @@ def test_an_expired_lease_and_a_prefill_replica_killed_mid_transfer_cost_a_recom
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 break  # the first token (the prefill replica's): leave while the decode replica waits
-    roles = pd.settle(timeout=1.2)  # freed at once, not by expiry
-    assert roles["prefill"]["kv_transfer"]["leases_expired"] == expired
+    roles = pd.settle()
+    assert roles["prefill"]["kv_transfer"]["leases_expired"] == expired  # freed by the client's leaving, not expiry
 
     prompt = prompt_of(40, seed=21)
     answer = pd.complete(prompt)  # its lease expires before the pull
