@@ -406,7 +406,7 @@ class Engine:
     def compat(self) -> dict[str, str]:
         """What must match between engines that hand KV to each other (`handoff.compat_fields`)."""
         if self._compat is None:
-                self._compat = handoff.compat_fields(self)
+            self._compat = handoff.compat_fields(self)
         return self._compat
 
     def missing_keys(self, ticket: HandoffTicket) -> dict[str, list[bytes]]:

@@ -11,8 +11,10 @@ Decode engine: `Engine.missing_keys(ticket)` names the blocks its pools lack; th
 `Engine.import_kv(payload)` caches them; `add_request(prompt, generated=[first token])` then
 starts on them through the prefix cache, recomputing only the prompt's partial last block.
 
-Only full blocks travel: they are the unit of the prefix cache, and what a partial block would
-save is at most `block_size - 1` tokens of one window.
+Only full blocks travel: they are the unit of the prefix cache. The decode engine computes the
+partial last block in a window of its own, which on bf16 / quantized kernels can differ in the last
+bits from computing it inside the prompt's chunk (docs/results/v0.14.0-pd.md): handing the partial
+block over too would make a handed-over request's greedy answer the colocated one there as well.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from specdec.cache.block_pool import BlockKey
+from specdec.cache.block_pool import BlockKey, prefix_block_keys
+from specdec.cache.transfer import read_blocks, write_blocks
 
 LEASE_TIMEOUT_S = 30.0  # an unclaimed lease frees its blocks after this long
 
@@ -48,7 +51,6 @@ class KVPayload:
 
     lease_id: str
     blocks: dict[str, tuple[list[BlockKey], np.ndarray]] = field(default_factory=dict)  # [L, 2, n, S, H, D] bytes
-    read_seconds: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -181,8 +183,6 @@ def _weights_digest(model: Any) -> str:
 def take_lease(book: LeaseBook, runners: dict[str, Any], seq: Any, compat: str) -> HandoffTicket:
     """Hold the full blocks of `seq`'s prompt in every pool (`runners`: pool name -> ModelRunner)
     under a new lease; call before the sequence's tables are freed."""
-    from specdec.cache.block_pool import prefix_block_keys
-
     keys: dict[str, tuple[BlockKey, ...]] = {}
     block_ids: dict[str, list[int]] = {}
     for name, table in (("target", seq.target_table), ("draft", seq.draft_table)):
@@ -205,9 +205,6 @@ def export_lease(book: LeaseBook, runners: dict[str, Any], lease_id: str,
     """Read a lease's blocks (only the `wanted` keys per pool; None: all). Safe off the engine's
     thread: leased blocks are full and cached, so nothing writes them, and a lease being read
     does not expire. Release it afterwards (`release_lease`, on the engine's thread)."""
-    from specdec.cache.transfer import read_blocks
-
-    started = time.perf_counter()
     lease = book.claim(lease_id)
     payload = KVPayload(lease_id)
     for name, keys in lease.ticket.keys.items():
@@ -216,7 +213,6 @@ def export_lease(book: LeaseBook, runners: dict[str, Any], lease_id: str,
         if chosen:
             ids = [lease.block_ids[name][i] for i in chosen]
             payload.blocks[name] = ([keys[i] for i in chosen], read_blocks(runners[name].kv_cache, ids))
-    payload.read_seconds = time.perf_counter() - started
     return payload
 
 
@@ -250,8 +246,6 @@ def missing_keys(runners: dict[str, Any], ticket: HandoffTicket) -> dict[str, li
 
 def import_payload(runners: dict[str, Any], payload: KVPayload) -> int:
     """Cache a payload's blocks in this engine's pools (engine thread); returns blocks written."""
-    from specdec.cache.transfer import write_blocks
-
     written = 0
     for name, (keys, data) in payload.blocks.items():
         if name in runners:
