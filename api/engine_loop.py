@@ -162,7 +162,6 @@ class AsyncEngine:
         self.publish_keys = False  # put the prefix cache's block keys in every snapshot
         self._step_started: float | None = None  # monotonic time the running step began
         self.engine: Any = None  # once loaded; other threads may only read what is safe (export_kv)
-        self.kv_imported_blocks = 0  # blocks of handed-over requests written into the pools
 
     # ---- event-loop side -----------------------------------------------------------------------
 
@@ -174,6 +173,11 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self.ready.is_set() and self.error is None
+
+    @property
+    def kv_imported_blocks(self) -> int:
+        """Blocks of handed-over requests written into the pools (prefill/decode disaggregation)."""
+        return self.engine.kv_imported_blocks if self.engine is not None else 0
 
     @property
     def queue_depth(self) -> int:
@@ -314,12 +318,10 @@ class AsyncEngine:
             return
         _, request, stream = command
         try:
-            if request.payload is not None:  # just before the request: nothing evicts them between
-                self.kv_imported_blocks += engine.import_kv(request.payload)
-            engine.add_request(
+            engine.add_request(  # a payload is written just before its request: nothing evicts it between
                 request.prompt_ids, request.params, request.request_id, request.num_speculative_tokens,
                 cache_salt=request.cache_salt, share_prompt_with=request.share_prompt_with,
-                handoff=request.handoff, generated=request.generated,
+                handoff=request.handoff, generated=request.generated, payload=request.payload,
             )
         except ValueError as exc:
             self._deliver([(stream, exc)])

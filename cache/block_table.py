@@ -137,6 +137,22 @@ class BlockTable:
         self.num_computed = self.num_frozen_tokens
         return self.num_computed
 
+    def attach_partial(self, block_id: int, num_tokens: int) -> bool:
+        """Append a block whose first ``num_tokens`` (< block size) slots already hold KV written
+        elsewhere (a prompt's partial last block handed over by another engine), after the table's
+        full blocks; the caller's reference becomes the table's. False (nothing changed) unless
+        every block so far is full.
+
+        >>> pool = BlockPool(4); t = BlockTable(pool, block_size=4); (b,) = pool.allocate(1)
+        >>> t.attach_partial(b, 3), t.num_computed, t.block_ids == [b]
+        (True, 3, True)
+        """
+        if not 0 < num_tokens < self.block_size or self.num_computed != len(self.block_ids) * self.block_size:
+            return False
+        self.block_ids.append(block_id)
+        self.num_computed += num_tokens
+        return True
+
     def cache_full_blocks(self, token_ids: list[int]) -> None:
         """Offer the pool every block whose positions are all written (``< num_computed``) with
         the final ``token_ids``; they become frozen. The caller guarantees that the KV below

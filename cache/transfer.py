@@ -7,6 +7,7 @@ bf16 travel as they are stored. Two caches can exchange blocks only when their s
 
     data = read_blocks(cache, [4, 9])                 # [L, 2, 2, S, Hkv, D] as bytes
     write_blocks(pool, cache2, [key_a, key_b], data)  # cached in cache2's pool under the keys
+    write_held_block(pool, cache2, read_blocks(cache, [5]))  # a block with no key, held by the caller
 """
 
 from __future__ import annotations
@@ -39,27 +40,50 @@ def write_blocks(pool: BlockPool, cache: PagedKVCache, keys: list[BlockKey], dat
     `keys` (a prefix lookup finds them; they are evicted like any freed block). Keys the pool
     already caches are skipped; when free blocks run short the rest are dropped (a later prefill
     recomputes them). Returns how many blocks were written."""
-    expected = transit_shape(cache.spec, len(keys))
-    if tuple(data.shape) != expected or data.dtype != np.uint8:
-        raise ValueError(f"blocks of shape {tuple(data.shape)} ({data.dtype}) do not fit this cache: "
-                         f"expected {expected} (uint8)")
+    _check_shape(cache, data, len(keys))
     missing = [i for i, key in enumerate(keys) if pool.lookup(key) is None]
     missing = missing[: pool.num_free]
     if not missing or not pool.enable_caching:
         return 0
     block_ids = pool.allocate(len(missing))  # all at once: none of them evicts another
     try:
-        chosen = np.ascontiguousarray(data if len(missing) == len(keys) else data[:, :, missing])
-        with warnings.catch_warnings():  # read-only bytes (Ray's object store): only ever read here
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            blocks = torch.from_numpy(chosen).to(cache.kv.device)
-        index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
-        cache.kv.index_copy_(2, index, blocks.view(cache.spec.dtype))  # [L, 2, n, S, H, D]
+        _scatter(cache, block_ids, data if len(missing) == len(keys) else data[:, :, missing])
         for block_id, i in zip(block_ids, missing):
             pool.register(block_id, keys[i])
     finally:
         pool.free(reversed(block_ids))  # cached and unheld (the tail evicted first), or free again
     return len(missing)
+
+
+def write_held_block(pool: BlockPool, cache: PagedKVCache, data: np.ndarray) -> int | None:
+    """Put one block read by `read_blocks` (a prompt's partial last block: no key) into a newly
+    allocated block of `pool` and return its id, held once by the caller; None when the pool has
+    no free block."""
+    _check_shape(cache, data, 1)
+    if pool.num_free == 0:
+        return None
+    (block_id,) = pool.allocate(1)
+    try:
+        _scatter(cache, [block_id], data)
+    except BaseException:
+        pool.free([block_id])
+        raise
+    return block_id
+
+
+def _check_shape(cache: PagedKVCache, data: np.ndarray, num_blocks: int) -> None:
+    expected = transit_shape(cache.spec, num_blocks)
+    if tuple(data.shape) != expected or data.dtype != np.uint8:
+        raise ValueError(f"blocks of shape {tuple(data.shape)} ({data.dtype}) do not fit this cache: "
+                         f"expected {expected} (uint8)")
+
+
+def _scatter(cache: PagedKVCache, block_ids: list[int], data: np.ndarray) -> None:
+    with warnings.catch_warnings():  # read-only bytes (Ray's object store): only ever read here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        blocks = torch.from_numpy(np.ascontiguousarray(data)).to(cache.kv.device)
+    index = torch.tensor(block_ids, dtype=torch.long, device=cache.kv.device)
+    cache.kv.index_copy_(2, index, blocks.view(cache.spec.dtype))  # [L, 2, n, S, H, D]
 
 
 def check_compatible(sender: KVCacheSpec, receiver: KVCacheSpec) -> None:

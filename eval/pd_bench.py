@@ -231,6 +231,7 @@ async def long_arrivals(url: str, opts: PDBenchOptions, streams: list[list[int]]
         "texts": [t.text for t in long_traces], "stream_texts": [t.text for t in stream_traces],
         # the raw timeline, seconds from the first arrival: each stream's chunks, each long prompt's
         "stream_chunks": [[round(x - started, 4) for x in t.times] for t in stream_traces],
+        "stream_chunk_tokens": [t.tokens for t in stream_traces],
         "long_sent_first": [[round(t.sent - started, 3), round(t.times[0] - started, 3) if t.times else None]
                             for t in long_traces],
     }

@@ -17,7 +17,7 @@ from specdec.draft import (
 )
 from specdec.expert_stats import ExpertStats
 from specdec import handoff
-from specdec.handoff import HandoffTicket, KVPayload, LeaseBook
+from specdec.handoff import HandoffTicket, KVPayload, LeaseBook, import_payload
 from specdec.planner import StepPlanner
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import ChunkBudget, Scheduler
@@ -109,6 +109,7 @@ class Engine:
         self._counter = itertools.count()
         self.device = self.target.device
         self.leases = LeaseBook()  # KV held for decode engines (prefill/decode disaggregation)
+        self.kv_imported_blocks = 0  # blocks handed over by prefill engines, written into the pools
         self._compat: dict[str, str] | None = None
 
     def memory_line(self) -> str:
@@ -150,7 +151,7 @@ class Engine:
         self, prompt: str | list[int], params: SamplingParams | None = None,
         request_id: str | None = None, num_speculative_tokens: int | None = None,
         cache_salt: str | None = None, share_prompt_with: str | None = None,
-        handoff: bool = False, generated: list[int] | None = None,
+        handoff: bool = False, generated: list[int] | None = None, payload: KVPayload | None = None,
     ) -> str:
         """Queue a request; returns its id. Raises ValueError for prompts that can never run.
 
@@ -164,7 +165,9 @@ class Engine:
         Prefill/decode disaggregation (`specdec.handoff`): `handoff` makes this a prefill engine's
         request, which ends after its first token(s) with finish reason "handoff" and a ticket
         for its KV; `generated` resumes a request another engine started: these tokens were
-        already emitted (they count toward max_tokens, stop strings, penalties and the grammar)."""
+        already emitted (they count toward max_tokens, stop strings, penalties and the grammar),
+        on the blocks of `payload` (what `export_kv` read there): its full blocks are cached, its
+        partial last blocks are held for this request and attached at admission."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         generated = list(generated or [])
@@ -209,6 +212,9 @@ class Engine:
             seq.detokenizer.push(generated)
             if constraint is not None:
                 constraint.commit(generated)
+        if payload is not None:  # last: nothing above may fail once blocks are held for it
+            written, seq.imported_partial = import_payload(self.kv_runners(), payload)  # (`handoff` is the flag here)
+            self.kv_imported_blocks += written
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -382,9 +388,8 @@ class Engine:
     # ---- prefill/decode disaggregation (specdec.handoff) ---------------------------------------
 
     def _draft_holds_prompt(self, seq: Sequence) -> bool:
-        """Whether the draft's cache holds every full block of the prompt (what a handoff sends)."""
-        table = seq.draft_table
-        return table is None or table.num_computed >= seq.prompt_len // table.block_size * table.block_size
+        """Whether the draft's cache holds the whole prompt (what a handoff sends)."""
+        return seq.draft_table is None or seq.draft_table.num_computed >= seq.prompt_len
 
     def _hand_off(self, seq: Sequence, emitted: list[int], origins: list | None = None, text: str = "",
                   pieces: list[str] | None = None, logprobs: list[TokenLogprobs] | None = None) -> StepDelta:
@@ -425,8 +430,12 @@ class Engine:
         return handoff.expire_leases(self.leases, self.kv_runners())
 
     def import_kv(self, payload: KVPayload) -> int:
-        """Cache a prefill engine's blocks in this engine's pools; returns blocks written."""
-        return handoff.import_payload(self.kv_runners(), payload)
+        """Cache a prefill engine's full blocks in this engine's pools; returns blocks written.
+        (Its partial last blocks need their request: pass the payload to `add_request` instead.)"""
+        written, partial = handoff.import_payload(self.kv_runners(), payload)
+        handoff.free_partial(self.kv_runners(), partial)
+        self.kv_imported_blocks += written - len(partial)
+        return written - len(partial)
 
     # ---- convenience ---------------------------------------------------------------------------
 

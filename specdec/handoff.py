@@ -1,20 +1,24 @@
 """Prefill/decode disaggregation, the engine's half: a request's KV handed from one engine to another.
 
 Prefill engine (`Engine.add_request(..., handoff=True)`): the target prefills the prompt and
-samples the first token, which is emitted at once; the draft's cache is then fed the prompt's
-full blocks (a fill step of its own, so the first token never waits for it); then the request
-ends with finish reason "handoff" and a `HandoffTicket`: the keys of the prompt's full blocks in
-both pools, which a `Lease` holds (reference counts) until they are read or `timeout_s` passes.
+samples the first token, which is emitted at once; the draft's cache is then fed the whole prompt
+(a fill step of its own, so the first token never waits for it); then the request ends with
+finish reason "handoff" and a `HandoffTicket`: the keys of the prompt's full blocks in both pools
+and the size of its partial last block, which a `Lease` holds (reference counts) until they are
+read or `timeout_s` passes.
 
-Decode engine: `Engine.missing_keys(ticket)` names the blocks its pools lack; the prefill side's
-`Engine.export_kv(lease_id, wanted)` reads just those (`KVPayload`) and releases the lease;
-`Engine.import_kv(payload)` caches them; `add_request(prompt, generated=[first token])` then
-starts on them through the prefix cache, recomputing only the prompt's partial last block.
+Decode engine: `Engine.missing_keys(ticket)` names the full blocks its pools lack; the prefill
+side's `Engine.export_kv(lease_id, wanted)` reads just those and the partial last blocks
+(`KVPayload`) and releases the lease; `add_request(prompt, generated=[first token], payload=...)`
+caches the full blocks, holds the partial ones for the request, and starts it on both: the prefix
+cache finds the full blocks, the partial one is attached after them (`BlockTable.attach_partial`),
+and nothing of the prompt is computed again.
 
-Only full blocks travel: they are the unit of the prefix cache. The decode engine computes the
-partial last block in a window of its own, which on bf16 / quantized kernels can differ in the last
-bits from computing it inside the prompt's chunk (docs/results/v0.14.0-pd.md): handing the partial
-block over too would make a handed-over request's greedy answer the colocated one there as well.
+Full blocks travel under their keys: they are the unit of the prefix cache (a decode engine that
+holds some already skips them). The partial last block travels too, for exactness: computed again
+in a decode window, its KV can differ in the last bits from the prompt's chunk on bf16 / quantized
+kernels (the prefill path and the window path are different kernels), and a greedy answer could
+then part from the colocated one (docs/results/v0.14.0-pd.md).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import numpy as np
 import torch
 
 from specdec.cache.block_pool import BlockKey, prefix_block_keys
-from specdec.cache.transfer import read_blocks, write_blocks
+from specdec.cache.transfer import read_blocks, write_blocks, write_held_block
 
 LEASE_TIMEOUT_S = 30.0  # an unclaimed lease frees its blocks after this long
 
@@ -43,6 +47,7 @@ class HandoffTicket:
     prompt_len: int
     keys: dict[str, tuple[BlockKey, ...]]  # per pool ("target", "draft"): the prompt's full blocks
     compat: str  # the prefill engine's `compat_digest`
+    partial: dict[str, int] = field(default_factory=dict)  # per pool: tokens in the partial last block
 
 
 @dataclass
@@ -51,20 +56,21 @@ class KVPayload:
 
     lease_id: str
     blocks: dict[str, tuple[list[BlockKey], np.ndarray]] = field(default_factory=dict)  # [L, 2, n, S, H, D] bytes
+    partial: dict[str, tuple[int, np.ndarray]] = field(default_factory=dict)  # tokens, [L, 2, 1, S, H, D] bytes
 
     @property
     def nbytes(self) -> int:
-        return sum(data.nbytes for _, data in self.blocks.values())
+        return sum(data.nbytes for _, data in self.blocks.values()) + sum(d.nbytes for _, d in self.partial.values())
 
     @property
     def num_blocks(self) -> int:
-        return sum(len(keys) for keys, _ in self.blocks.values())
+        return sum(len(keys) for keys, _ in self.blocks.values()) + len(self.partial)
 
 
 @dataclass
 class Lease:
     ticket: HandoffTicket
-    block_ids: dict[str, list[int]]  # per pool: the held blocks, aligned with ticket.keys
+    block_ids: dict[str, list[int]]  # per pool: the held blocks, aligned with ticket.keys (+ the partial one)
     deadline: float
     request_id: str = ""
     reading: bool = False  # export_kv is copying its blocks: expiry must wait
@@ -181,30 +187,38 @@ def _weights_digest(model: Any) -> str:
 
 
 def take_lease(book: LeaseBook, runners: dict[str, Any], seq: Any, compat: str) -> HandoffTicket:
-    """Hold the full blocks of `seq`'s prompt in every pool (`runners`: pool name -> ModelRunner)
-    under a new lease; call before the sequence's tables are freed."""
+    """Hold the blocks of `seq`'s prompt in every pool (`runners`: pool name -> ModelRunner) under
+    a new lease: the full ones and, when the pool computed the whole prompt, its partial last
+    block. Call before the sequence's tables are freed."""
     keys: dict[str, tuple[BlockKey, ...]] = {}
     block_ids: dict[str, list[int]] = {}
+    partial: dict[str, int] = {}
     for name, table in (("target", seq.target_table), ("draft", seq.draft_table)):
         if table is None or name not in runners:
             continue
         table.cache_full_blocks(seq.token_ids)
         num_full = min(table.num_computed, seq.prompt_len) // table.block_size
         ids = table.block_ids[:num_full]
+        tail = seq.prompt_len - num_full * table.block_size
+        if table.num_computed >= seq.prompt_len and 0 < tail < table.block_size:
+            ids = table.block_ids[: num_full + 1]  # positions past the prompt in it are never read
+            partial[name] = tail
         runners[name].pool.incref(ids)
         block_ids[name] = list(ids)
         keys[name] = tuple(prefix_block_keys(seq.token_ids[: num_full * table.block_size], table.block_size,
                                              seq.cache_salt))
-    ticket = HandoffTicket(new_lease_id(), seq.prompt_len, keys, compat)
+    ticket = HandoffTicket(new_lease_id(), seq.prompt_len, keys, compat, partial)
     book.add(ticket, block_ids, seq.request_id)
     return ticket
 
 
 def export_lease(book: LeaseBook, runners: dict[str, Any], lease_id: str,
                  wanted: dict[str, list[BlockKey]] | None = None) -> KVPayload:
-    """Read a lease's blocks (only the `wanted` keys per pool; None: all). Safe off the engine's
-    thread: leased blocks are full and cached, so nothing writes them, and a lease being read
-    does not expire. Release it afterwards (`release_lease`, on the engine's thread)."""
+    """Read a lease's blocks: the `wanted` full blocks per pool (None: all) and every partial
+    last block (nobody else can hold those). Safe off the engine's thread: nothing writes leased
+    blocks (their sequence is gone; the full ones are cached, the partial ones held by the lease
+    alone), and a lease being read does not expire. Release it afterwards (`release_lease`, on
+    the engine's thread)."""
     lease = book.claim(lease_id)
     payload = KVPayload(lease_id)
     for name, keys in lease.ticket.keys.items():
@@ -213,6 +227,9 @@ def export_lease(book: LeaseBook, runners: dict[str, Any], lease_id: str,
         if chosen:
             ids = [lease.block_ids[name][i] for i in chosen]
             payload.blocks[name] = ([keys[i] for i in chosen], read_blocks(runners[name].kv_cache, ids))
+    for name, tokens in lease.ticket.partial.items():
+        last = lease.block_ids[name][len(lease.ticket.keys[name])]
+        payload.partial[name] = (tokens, read_blocks(runners[name].kv_cache, [last]))
     return payload
 
 
@@ -244,11 +261,29 @@ def missing_keys(runners: dict[str, Any], ticket: HandoffTicket) -> dict[str, li
             for name, keys in ticket.keys.items() if name in runners}
 
 
-def import_payload(runners: dict[str, Any], payload: KVPayload) -> int:
-    """Cache a payload's blocks in this engine's pools (engine thread); returns blocks written."""
-    written = 0
-    for name, (keys, data) in payload.blocks.items():
+def import_payload(runners: dict[str, Any], payload: KVPayload) -> tuple[int, dict[str, tuple[int, int]]]:
+    """Cache a payload's full blocks in this engine's pools and write its partial last blocks into
+    blocks held for the request (engine thread). Returns the blocks written and, per pool, the
+    held partial block as (block id, tokens): the caller owns those references."""
+    partial: dict[str, tuple[int, int]] = {}
+    for name, (tokens, data) in payload.partial.items():  # first: allocating them evicts none of the full ones
         if name in runners:
-            runner = runners[name]
-            written += write_blocks(runner.pool, runner.kv_cache, keys, data)
-    return written
+            block_id = write_held_block(runners[name].pool, runners[name].kv_cache, data)
+            if block_id is not None:  # no free block: that pool computes the tail again
+                partial[name] = (block_id, tokens)
+    written = len(partial)
+    try:
+        for name, (keys, data) in payload.blocks.items():
+            if name in runners:
+                runner = runners[name]
+                written += write_blocks(runner.pool, runner.kv_cache, keys, data)
+    except BaseException:  # a payload that does not fit: hold nothing
+        free_partial(runners, partial)
+        raise
+    return written, partial
+
+
+def free_partial(runners: dict[str, Any], partial: dict[str, tuple[int, int]]) -> None:
+    """Give back the partial blocks `import_payload` held (a request that never used them)."""
+    for name, (block_id, _) in partial.items():
+        runners[name].pool.free([block_id])

@@ -126,8 +126,7 @@ class Scheduler:
         """Set this step's target chunk and draft fill; returns the prefill tokens it takes."""
         pending = seq.num_pending
         if seq.handing_off and pending <= 1:  # its token is out: the draft's fill is all that is left
-            goal = seq.prompt_len // self.draft_block_size * self.draft_block_size
-            lag = goal - seq.draft_table.num_computed if seq.draft_table is not None else 0
+            lag = seq.prompt_len - seq.draft_table.num_computed if seq.draft_table is not None else 0
             seq.num_new_tokens, seq.num_draft_fill = 0, max(0, min(lag, max(left, 1)))
             return seq.num_draft_fill
         if pending <= 1:
@@ -154,6 +153,7 @@ class Scheduler:
     def finish(self, seq: Sequence) -> None:
         """Remove a finished or aborted sequence and free every block it holds."""
         self._release(seq)
+        self._free_partials(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -168,8 +168,11 @@ class Scheduler:
         if self.draft_pool is not None:
             seq.draft_table = BlockTable(self.draft_pool, self.draft_block_size, seq.cache_salt)
             draft_hit = seq.draft_table.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        attached = self._attach_partials(seq)
+        hit, draft_hit = seq.target_table.num_computed, seq.draft_table.num_computed if seq.draft_table else 0
         self._set_chunk(seq, left)
         if self._reserve(seq):
+            seq.imported_partial = None  # the tables own them now
             if seq.num_cached_tokens is None:  # first admission: what the prompt found cached
                 seq.num_cached_tokens, seq.num_draft_cached_tokens = hit, draft_hit
             for pool, found in ((self.target_pool, hit), (self.draft_pool, draft_hit)):
@@ -177,8 +180,32 @@ class Scheduler:
                     pool.stats.queried_tokens += seq.num_tokens
                     pool.stats.hit_tokens += found
             return True
+        for pool, block_id in attached:  # the sequence keeps them for its next try
+            pool.incref([block_id])
         self._release(seq)
         return False
+
+    def _attach_partials(self, seq: Sequence) -> list[tuple[BlockPool, int]]:
+        """A resumed request (`specdec.handoff`): put the prompt's partial last blocks it was
+        handed after the full blocks its tables found cached. One whose full blocks were not all
+        found (evicted since) is given back: that pool computes the prompt's tail again."""
+        attached = []
+        for name, (block_id, tokens) in list((seq.imported_partial or {}).items()):
+            pool, table = self._pool_and_table(seq, name)
+            if table is not None and table.num_computed + tokens == seq.prompt_len and table.attach_partial(block_id, tokens):
+                attached.append((pool, block_id))
+            else:
+                pool.free([block_id])
+                del seq.imported_partial[name]
+        return attached
+
+    def _pool_and_table(self, seq: Sequence, name: str) -> tuple[BlockPool, BlockTable | None]:
+        return (self.target_pool, seq.target_table) if name == "target" else (self.draft_pool, seq.draft_table)
+
+    def _free_partials(self, seq: Sequence) -> None:
+        for name, (block_id, _) in (seq.imported_partial or {}).items():
+            self._pool_and_table(seq, name)[0].free([block_id])
+        seq.imported_partial = None
 
     def _reserve(self, seq: Sequence) -> bool:
         """Grow both tables for this step's window; on failure leave them as they were."""

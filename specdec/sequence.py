@@ -72,10 +72,12 @@ class Sequence:
     # Structured output: the grammar's state over the emitted tokens (`verify.controls.TokenConstraint`)
     constraint: Any = None
     # Prefill/decode disaggregation (`specdec.handoff`): this request ends, once its first token is
-    # out and the draft's cache holds the prompt's full blocks, by handing its KV over;
-    # `handing_off` once the token is out and the draft's fill is all that is left.
+    # out and the draft's cache holds the whole prompt, by handing its KV over; `handing_off`
+    # once the token is out and the draft's fill is all that is left. A resumed request holds the
+    # prompt's partial last blocks it was handed (pool -> (block id, tokens)) until admission.
     handoff: bool = False
     handing_off: bool = False
+    imported_partial: dict[str, tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = self.prompt_len or len(self.token_ids)

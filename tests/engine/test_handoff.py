@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specdec.api.engine_loop import AsyncEngine
-from specdec.cache.transfer import write_blocks
+from specdec.cache.transfer import read_blocks, write_blocks
 from specdec.handoff import UnknownLeaseError, compat_mismatch
 from specdec.sampling_params import SamplingParams
 from specdec.testing import tiny_serving_engine
@@ -43,8 +43,7 @@ def hand_over(prefill, decode, prompt: list[int], params: SamplingParams = GREED
     ticket = deltas[-1].handoff
     payload = prefill.export_kv(ticket.lease_id, decode.missing_keys(ticket))
     assert prefill.release_lease(ticket.lease_id)
-    decode.import_kv(payload)
-    decode.add_request(prompt, params, request_id=rid, generated=first)
+    decode.add_request(prompt, params, request_id=rid, generated=first, payload=payload)
     rest = [t for d in run(decode) for t in d.token_ids]
     return first + rest, ticket, payload
 
@@ -62,7 +61,68 @@ def test_greedy_tokens_equal_one_engine_and_nothing_stays_held(engines, length):
     tokens, ticket, payload = hand_over(prefill, decode, prompt, rid=f"len{length}")
     assert tokens == expected
     assert {pool: len(keys) for pool, keys in ticket.keys.items()} == {"target": length // 8, "draft": length // 8}
+    assert ticket.partial == ({"target": length % 8, "draft": length % 8} if length % 8 else {})
     assert held(prefill) == held(decode) == 0 and len(prefill.leases) == 0
+
+
+def test_the_partial_last_block_is_used_as_handed_over_not_computed_again(engines):
+    """The decode engine's KV for the prompt is the payload's, bit for bit, partial block included:
+    the payload's partial block is marked (last mantissa bit flipped), which no recomputation
+    would reproduce, and the resumed request reports its whole prompt as cached."""
+    _, prefill, decode = engines
+    prompt = prompt_of(21, seed=5)  # 2 full blocks + 5 tokens
+    prefill.add_request(prompt, GREEDY, request_id="mark", handoff=True)
+    deltas = run(prefill)
+    ticket = deltas[-1].handoff
+    payload = prefill.export_kv(ticket.lease_id)
+    prefill.release_lease(ticket.lease_id)
+    for pool, (tokens, data) in payload.partial.items():
+        marked = data.copy()
+        marked.view(np.int32)[...] ^= 1
+        payload.partial[pool] = (tokens, marked)
+    decode.add_request(prompt, GREEDY, request_id="mark", generated=deltas[0].token_ids, payload=payload)
+    first = decode.step()
+    seq = decode._sequences["mark"]
+    for pool, runner in decode.kv_runners().items():
+        table = seq.target_table if pool == "target" else seq.draft_table
+        got = read_blocks(runner.kv_cache, table.block_ids[:3])  # [L, 2, 3, S, H, D] bytes
+        keys, full = payload.blocks[pool]
+        assert np.array_equal(got[:, :, :2], full)
+        assert np.array_equal(got[:, :, 2, :5], payload.partial[pool][1][:, :, 0, :5])
+    run(decode)
+    assert first[0].num_cached_tokens == len(prompt)
+    assert held(decode) == 0
+
+
+def test_a_partial_block_whose_full_blocks_are_gone_is_given_back(engines):
+    """The full blocks were evicted (here: never sent) before the request was admitted: the partial
+    one cannot follow them, so it is freed and the tail computed again; tokens are unchanged."""
+    reference, prefill, decode = engines
+    prompt = prompt_of(29, seed=6)
+    expected = reference.generate([prompt], GREEDY)[0].token_ids
+    prefill.add_request(prompt, GREEDY, request_id="gone-full", handoff=True)
+    deltas = run(prefill)
+    ticket = deltas[-1].handoff
+    payload = prefill.export_kv(ticket.lease_id, {"target": [], "draft": []})
+    prefill.release_lease(ticket.lease_id)
+    assert payload.num_blocks == 2 and not payload.blocks
+    decode.add_request(prompt, GREEDY, request_id="gone-full", generated=deltas[0].token_ids, payload=payload)
+    rest = run(decode)
+    assert deltas[0].token_ids + [t for d in rest for t in d.token_ids] == expected
+    assert rest[0].num_cached_tokens < len(prompt) and held(decode) == 0 and held(prefill) == 0
+
+
+def test_an_aborted_resumed_request_gives_its_partial_blocks_back(engines):
+    _, prefill, decode = engines
+    prompt = prompt_of(13, seed=7)
+    prefill.add_request(prompt, GREEDY, request_id="abort-resumed", handoff=True)
+    deltas = run(prefill)
+    payload = prefill.export_kv(deltas[-1].handoff.lease_id)
+    prefill.release_lease(deltas[-1].handoff.lease_id)
+    decode.add_request(prompt, GREEDY, request_id="abort-resumed", generated=deltas[0].token_ids, payload=payload)
+    assert held(decode) == 2  # the two partial blocks, before any step
+    assert decode.abort("abort-resumed")
+    assert held(decode) == 0
 
 
 def test_the_first_token_comes_before_the_drafts_fill(engines):
@@ -87,7 +147,8 @@ def test_only_missing_blocks_are_read_and_a_lease_is_read_once(engines):
     wanted = decode.missing_keys(ticket)
     assert {pool: len(keys) for pool, keys in wanted.items()} == {"target": 9 - 6, "draft": 9 - 6}
     payload = prefill.export_kv(ticket.lease_id, wanted)
-    assert payload.num_blocks == 6 and payload.nbytes > 0
+    assert payload.num_blocks == 6 + 2 and payload.nbytes > 0  # 79 tokens: + the partial block of each pool
+    assert {pool: tokens for pool, (tokens, _) in payload.partial.items()} == {"target": 7, "draft": 7}
     with pytest.raises(UnknownLeaseError):
         prefill.export_kv(ticket.lease_id)  # being read (until released): not twice
     prefill.release_lease(ticket.lease_id)
