@@ -10,9 +10,12 @@
  *
  * Attention runs in fp32 with an online softmax over chunks of 16 keys (one 16-lane exp per
  * chunk) and rounds the output to bf16. Written on `simd.h`'s 16-lane vectors, so the AVX-512
- * and AVX2 builds compute bitwise the same. Each (query row, query head) is one work item computed by
- * one thread in a fixed order, so a row's result does not depend on what else is in the batch:
- * verifying k+1 rows gives bitwise the rows that k+1 single-row steps give.
+ * and AVX2 builds compute bitwise the same. A work item is one query row and a group of the query
+ * heads that share a KV head (GQA), computed by one thread in a fixed order: each key and value
+ * is read (and widened to fp32) once for the whole group, while every head's arithmetic is the
+ * one it would get alone, in the same order. So neither the grouping (chosen by the row count
+ * and threads) nor what else is in the batch changes a bit of a row's result: verifying k+1 rows
+ * gives bitwise the rows that k+1 single-row steps give.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +25,7 @@
 #include "simd.h"
 
 #define KEYS 16 /* keys per softmax chunk: one zmm of scores */
+#define GROUP_MAX 8 /* query heads attended together over one read of their KV head */
 
 /* Rotate `heads` heads of `d` bf16 values at x in place (neox halves), as apply_rope does in bf16. */
 static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
@@ -40,42 +44,65 @@ static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, 
     }
 }
 
-/* One query head q[d] (fp32) against keys 0..num_keys-1 of one KV head; out[d] = softmax . V. */
-static void attend_one(const float *q, int64_t num_keys, int64_t d, const uint16_t *k_cache,
-                       const uint16_t *v_cache, const int32_t *blocks, int64_t block_size,
-                       int64_t slot_stride, float scale, float *acc, uint16_t *out) {
+/* `g` query heads q[g][d] (fp32) sharing one KV head against its keys 0..num_keys-1; head h's
+ * softmax . V goes to out + h * d. Each key and value is widened once for the g heads; each
+ * head's operations are those of a lone head, in the same order (one head: g = 1). */
+static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t d, const uint16_t *k_cache,
+                         const uint16_t *v_cache, const int32_t *blocks, int64_t block_size,
+                         int64_t slot_stride, float scale, float *acc, uint16_t *out) {
     const int64_t vecs = d / 16;
-    float max = -INFINITY, sum = 0.0f;
-    for (int64_t v = 0; v < vecs; v++) vf_store(acc + 16 * v, vf_zero());
+    float max[GROUP_MAX], sum[GROUP_MAX], rescale[GROUP_MAX], s[GROUP_MAX][KEYS];
+    vf key[SPECDEC_MAX_HEAD_DIM / 16], a[GROUP_MAX];
+    for (int64_t h = 0; h < g; h++) {
+        max[h] = -INFINITY;
+        sum[h] = 0.0f;
+        for (int64_t v = 0; v < vecs; v++) vf_store(acc + h * d + 16 * v, vf_zero());
+    }
     for (int64_t j0 = 0; j0 < num_keys; j0 += KEYS) {
         const int64_t n = num_keys - j0 < KEYS ? num_keys - j0 : KEYS;
         int64_t offs[KEYS];
-        float s[KEYS];
         for (int64_t j = 0; j < n; j++) {
-            const int64_t key = j0 + j;
-            offs[j] = ((int64_t)blocks[key / block_size] * block_size + key % block_size) * slot_stride;
-            const uint16_t *kp = k_cache + offs[j];
-            vf dot = vf_zero();
-            for (int64_t v = 0; v < vecs; v++) dot = vf_fmadd(vf_load(q + 16 * v), vf_load_bf16(kp + 16 * v), dot);
-            s[j] = vf_reduce_add(dot) * scale;
+            const int64_t k = j0 + j;
+            offs[j] = ((int64_t)blocks[k / block_size] * block_size + k % block_size) * slot_stride;
+            for (int64_t v = 0; v < vecs; v++) key[v] = vf_load_bf16(k_cache + offs[j] + 16 * v); /* exact */
+            for (int64_t h = 0; h < g; h++) {
+                vf dot = vf_zero();
+                for (int64_t v = 0; v < vecs; v++) dot = vf_fmadd(vf_load(q + h * d + 16 * v), key[v], dot);
+                s[h][j] = vf_reduce_add(dot) * scale;
+            }
         }
-        for (int64_t j = n; j < KEYS; j++) s[j] = -INFINITY; /* a short last chunk */
-        const vf sv = vf_load(s);
-        const float chunk_max = vf_reduce_max(sv);
-        const float new_max = chunk_max > max ? chunk_max : max;
-        const float rescale = max == -INFINITY ? 0.0f : expf(max - new_max);
-        vf_store(s, vf_exp(vf_sub(sv, vf_set1(new_max))));
-        for (int64_t j = n; j < KEYS; j++) s[j] = 0.0f; /* e^-inf: vf_exp holds its input to -87 */
-        sum = sum * rescale + vf_reduce_add(vf_load(s));
-        max = new_max;
+        for (int64_t h = 0; h < g; h++) {
+            for (int64_t j = n; j < KEYS; j++) s[h][j] = -INFINITY; /* a short last chunk */
+            const vf sv = vf_load(s[h]);
+            const float chunk_max = vf_reduce_max(sv);
+            const float new_max = chunk_max > max[h] ? chunk_max : max[h];
+            rescale[h] = max[h] == -INFINITY ? 0.0f : expf(max[h] - new_max);
+            vf_store(s[h], vf_exp(vf_sub(sv, vf_set1(new_max))));
+            for (int64_t j = n; j < KEYS; j++) s[h][j] = 0.0f; /* e^-inf: vf_exp holds its input to -87 */
+            sum[h] = sum[h] * rescale[h] + vf_reduce_add(vf_load(s[h]));
+            max[h] = new_max;
+        }
         for (int64_t v = 0; v < vecs; v++) {
-            vf a = vf_mul(vf_load(acc + 16 * v), vf_set1(rescale));
-            for (int64_t j = 0; j < n; j++) a = vf_fmadd(vf_set1(s[j]), vf_load_bf16(v_cache + offs[j] + 16 * v), a);
-            vf_store(acc + 16 * v, a);
+            for (int64_t h = 0; h < g; h++) a[h] = vf_mul(vf_load(acc + h * d + 16 * v), vf_set1(rescale[h]));
+            for (int64_t j = 0; j < n; j++) {
+                const vf value = vf_load_bf16(v_cache + offs[j] + 16 * v);
+                for (int64_t h = 0; h < g; h++) a[h] = vf_fmadd(vf_set1(s[h][j]), value, a[h]);
+            }
+            for (int64_t h = 0; h < g; h++) vf_store(acc + h * d + 16 * v, a[h]);
         }
     }
-    const vf inv = vf_set1(sum > 0.0f ? 1.0f / sum : 0.0f);
-    for (int64_t v = 0; v < vecs; v++) vf_store_bf16(out + 16 * v, vf_mul(vf_load(acc + 16 * v), inv));
+    for (int64_t h = 0; h < g; h++) {
+        const vf inv = vf_set1(sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f);
+        for (int64_t v = 0; v < vecs; v++) vf_store_bf16(out + h * d + 16 * v, vf_mul(vf_load(acc + h * d + 16 * v), inv));
+    }
+}
+
+/* Query heads a work item takes together: the most (a divisor of the group, at most GROUP_MAX)
+ * that still leave every thread an item. Results do not depend on it. */
+static int64_t heads_per_item(int64_t group, int64_t row_heads, int threads) {
+    for (int64_t g = group < GROUP_MAX ? group : GROUP_MAX; g > 1; g--)
+        if (group % g == 0 && row_heads * (group / g) >= threads) return g;
+    return 1;
 }
 
 /* Checks the sizes and indices before anything is read or written: SPECDEC_OK when they are all
@@ -123,6 +150,7 @@ int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t 
     const int64_t hq = a->hq, hkv = a->hkv, d = a->d;
     const int64_t num_rows = query_start_loc[num_seqs];
     const int64_t kv_width = hkv * d;
+    const int64_t g = heads_per_item(hq / hkv, num_rows * hkv, threads), items_per_row = hq / g;
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -136,20 +164,21 @@ int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t 
             memcpy(v_cache + slots[t] * kv_width, row + (hq + hkv) * d, (size_t)kv_width * 2);
         }
         /* implicit barrier: every key of this step is in the cache before anyone attends */
-        float q[SPECDEC_MAX_HEAD_DIM], acc[SPECDEC_MAX_HEAD_DIM]; /* checked: d <= SPECDEC_MAX_HEAD_DIM */
+        /* checked: d <= SPECDEC_MAX_HEAD_DIM; g <= GROUP_MAX */
+        float q[GROUP_MAX * SPECDEC_MAX_HEAD_DIM], acc[GROUP_MAX * SPECDEC_MAX_HEAD_DIM];
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < num_rows * hq; item++) {
-            const int64_t t = item / hq, h = item % hq;
+        for (int64_t item = 0; item < num_rows * items_per_row; item++) {
+            const int64_t t = item / items_per_row, h = item % items_per_row * g; /* heads h..h+g-1 */
             int64_t b = 0;
             while (query_start_loc[b + 1] <= t) b++;
             const int64_t query_len = query_start_loc[b + 1] - query_start_loc[b];
             const int64_t num_keys = seq_lens[b] - query_len + (t - query_start_loc[b]) + 1;
             const uint16_t *qp = qkv + t * row_stride + h * d;
-            for (int64_t v = 0; v < d / 16; v++) vf_store(q + 16 * v, vf_load_bf16(qp + 16 * v));
+            for (int64_t v = 0; v < g * d / 16; v++) vf_store(q + 16 * v, vf_load_bf16(qp + 16 * v));
             const int64_t kv_head = h / (hq / hkv);
-            attend_one(q, num_keys, d, k_cache + kv_head * d, v_cache + kv_head * d,
-                       block_tables + b * max_blocks, block_size, kv_width, scale, acc,
-                       out + t * hq * d + h * d);
+            attend_group(q, g, num_keys, d, k_cache + kv_head * d, v_cache + kv_head * d,
+                         block_tables + b * max_blocks, block_size, kv_width, scale, acc,
+                         out + t * hq * d + h * d);
         }
     }
     return SPECDEC_OK;

@@ -106,6 +106,25 @@ def test_a_rows_result_does_not_depend_on_the_batch(simd_level):
         assert torch.equal(out.view(4, HEAD_DIM), together[row])
 
 
+@pytest.mark.parametrize("group", [6, 16])  # Qwen2.5-1.5B's 12 / 2 heads; more than one item's 8
+def test_heads_read_together_give_bitwise_what_each_head_gives_alone(group, simd_level):
+    """The query heads of a KV head are attended over one read of its keys and values, as many
+    at a time as leave every thread an item: one thread takes them all (or 8), 64 threads one each.
+    Every head's result is the same bits either way, so the grouping (which depends on the row
+    count and the threads) cannot change a token."""
+    outs = []
+    for threads in (1, 2, 64):
+        query, cache, meta, per_seq = build_case(16, group, torch.bfloat16, windows=[(300, 1), (90, 3)])
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(_run(query, cache, meta, per_seq)[0])
+        finally:
+            torch.set_num_threads(saved)
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
+    torch.testing.assert_close(outs[0].double(), expected_output(per_seq, HEAD_DIM**-0.5), **BF16_TOL)
+
+
 def test_every_level_computes_bitwise_the_same(monkeypatch):
     """Rope, the KV write and attention of the AVX2 and AVX-VNNI builds are bitwise the AVX-512
     build's (the levels this machine runs: all three on an AVX-512 VNNI CPU)."""
