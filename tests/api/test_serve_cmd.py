@@ -23,10 +23,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(*args: str) -> tuple[subprocess.Popen, str]:
+def _serve(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "specdec.api.cli", "serve", "--port", str(port), "--log-level", "warning", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     return proc, f"http://127.0.0.1:{port}"
 
