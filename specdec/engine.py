@@ -178,6 +178,8 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if generated and (min(generated) < 0 or max(generated) >= vocab):
             raise ValueError(f"generated token ids must lie in [0, {vocab})")
+        if payload is not None and not generated:
+            raise ValueError("a KV payload resumes a request: pass the tokens it already generated (generated=...)")
         if len(generated) >= params.max_tokens:
             raise ValueError(f"{len(generated)} tokens already generated leave none of max_tokens={params.max_tokens}")
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):

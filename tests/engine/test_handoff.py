@@ -123,6 +123,9 @@ def test_an_aborted_resumed_request_gives_its_partial_blocks_back(engines):
     assert held(decode) == 2  # the two partial blocks, before any step
     assert decode.abort("abort-resumed")
     assert held(decode) == 0
+    with pytest.raises(ValueError, match="generated"):  # a payload without its tokens: nothing is held
+        decode.add_request(prompt, GREEDY, request_id="no-tokens", payload=payload)
+    assert held(decode) == 0
 
 
 def test_the_first_token_comes_before_the_drafts_fill(engines):
