@@ -431,14 +431,6 @@ class Engine:
         """Free the blocks of the leases nobody claimed in time; returns how many expired."""
         return handoff.expire_leases(self.leases, self.kv_runners())
 
-    def import_kv(self, payload: KVPayload) -> int:
-        """Cache a prefill engine's full blocks in this engine's pools; returns blocks written.
-        (Its partial last blocks need their request: pass the payload to `add_request` instead.)"""
-        written, partial = handoff.import_payload(self.kv_runners(), payload)
-        handoff.free_partial(self.kv_runners(), partial)
-        self.kv_imported_blocks += written - len(partial)
-        return written - len(partial)
-
     # ---- convenience ---------------------------------------------------------------------------
 
     def stream(

@@ -278,12 +278,13 @@ def import_payload(runners: dict[str, Any], payload: KVPayload) -> tuple[int, di
                 runner = runners[name]
                 written += write_blocks(runner.pool, runner.kv_cache, keys, data)
     except BaseException:  # a payload that does not fit: hold nothing
-        free_partial(runners, partial)
+        free_partial({name: runners[name].pool for name in partial}, partial)
         raise
     return written, partial
 
 
-def free_partial(runners: dict[str, Any], partial: dict[str, tuple[int, int]]) -> None:
-    """Give back the partial blocks `import_payload` held (a request that never used them)."""
+def free_partial(pools: dict[str, Any], partial: dict[str, tuple[int, int]]) -> None:
+    """Give back partial blocks `import_payload` held (`pools`: pool name -> BlockPool), for a
+    request that never used them: aborted, or its full blocks evicted before admission."""
     for name, (block_id, _) in partial.items():
-        runners[name].pool.free([block_id])
+        pools[name].free([block_id])

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from specdec.adaptive import ChunkSizer
 from specdec.cache import BlockPool, BlockTable
+from specdec.handoff import free_partial
 from specdec.sequence import Sequence, SequenceStatus
 
 
@@ -163,12 +164,11 @@ class Scheduler:
     def _admit(self, seq: Sequence, left: int) -> bool:
         """Start the sequence's tables on their cached prefixes and reserve its first chunk."""
         seq.target_table = BlockTable(self.target_pool, self.target_block_size, seq.cache_salt)
-        hit = seq.target_table.match_prefix(seq.token_ids, seq.num_tokens - 1)
-        draft_hit = 0
+        seq.target_table.match_prefix(seq.token_ids, seq.num_tokens - 1)
         if self.draft_pool is not None:
             seq.draft_table = BlockTable(self.draft_pool, self.draft_block_size, seq.cache_salt)
-            draft_hit = seq.draft_table.match_prefix(seq.token_ids, seq.num_tokens - 1)
-        attached = self._attach_partials(seq)
+            seq.draft_table.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        attached = self._attach_partials(seq)  # what the prompt found: cached blocks (+ handed-over tail)
         hit, draft_hit = seq.target_table.num_computed, seq.draft_table.num_computed if seq.draft_table else 0
         self._set_chunk(seq, left)
         if self._reserve(seq):
@@ -191,20 +191,18 @@ class Scheduler:
         found (evicted since) is given back: that pool computes the prompt's tail again."""
         attached = []
         for name, (block_id, tokens) in list((seq.imported_partial or {}).items()):
-            pool, table = self._pool_and_table(seq, name)
+            pool, table = self._pools()[name], seq.target_table if name == "target" else seq.draft_table
             if table is not None and table.num_computed + tokens == seq.prompt_len and table.attach_partial(block_id, tokens):
                 attached.append((pool, block_id))
             else:
-                pool.free([block_id])
-                del seq.imported_partial[name]
+                free_partial(self._pools(), {name: seq.imported_partial.pop(name)})
         return attached
 
-    def _pool_and_table(self, seq: Sequence, name: str) -> tuple[BlockPool, BlockTable | None]:
-        return (self.target_pool, seq.target_table) if name == "target" else (self.draft_pool, seq.draft_table)
+    def _pools(self) -> dict[str, BlockPool | None]:
+        return {"target": self.target_pool, "draft": self.draft_pool}
 
     def _free_partials(self, seq: Sequence) -> None:
-        for name, (block_id, _) in (seq.imported_partial or {}).items():
-            self._pool_and_table(seq, name)[0].free([block_id])
+        free_partial(self._pools(), seq.imported_partial or {})
         seq.imported_partial = None
 
     def _reserve(self, seq: Sequence) -> bool:
