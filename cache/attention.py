@@ -27,6 +27,16 @@ def write_kv(
     _write_one(value, v_cache, slot_mapping, v_scale)
 
 
+def write_latent(
+    latent: torch.Tensor,  # [T, 1, D]: a latent cache's one head (multi-head latent attention)
+    cache: torch.Tensor,  # [N, S, 1, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+    scale: float = 1.0,
+) -> None:
+    """Scatter this step's latents into their cache slots (stored = value / scale)."""
+    _write_one(latent, cache, slot_mapping, scale)
+
+
 def _write_one(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: float) -> None:
     num_blocks, block_size, num_heads, head_dim = cache.shape
     flat = cache.view(num_blocks * block_size, num_heads, head_dim)  # [N*S, Hkv, D]
@@ -63,6 +73,8 @@ def paged_attention(
     ``window`` only to keys in ``(p - window, p]``. ``softcap`` caps the scaled scores at
     ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
     """
+    if v_cache.shape[-1] != k_cache.shape[-1]:  # a latent cache's values: the reference only
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
     if meta.backend == "triton" or (meta.backend == "auto" and query.is_cuda and triton_available()):
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
     return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
@@ -79,14 +91,14 @@ _FOLD_MAX_QUERY_LEN = 32
 def paged_attention_ref(
     query: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,  # [N, S, Hkv, D]
-    v_cache: torch.Tensor,  # [N, S, Hkv, D]
+    v_cache: torch.Tensor,  # [N, S, Hkv, Dv] (Dv: D, or less for a latent cache's values)
     meta: AttentionMetadata,
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
     softcap: float | None = None,
-) -> torch.Tensor:  # [T, Hq, D]
+) -> torch.Tensor:  # [T, Hq, Dv]
     """Torch reference of ``paged_attention``: padded, batched SDPA over gathered blocks.
 
     Each sequence's blocks are gathered into ``[B, max_kv, Hkv, D]``, the queries padded to
@@ -113,7 +125,7 @@ def paged_attention_ref(
         )
     assert sum(c.num_rows for c in chunks) == num_tokens, "query rows do not match the metadata"
     if not chunks:
-        return query.new_empty(0, num_q_heads, head_dim)
+        return query.new_empty(0, num_q_heads, v_cache.shape[-1])
     outs, row = [], 0
     for c in chunks:
         keys = _gather_kv(k_cache, c, k_scale, query.dtype)  # [b, Hkv, max_kv, D]
@@ -202,7 +214,7 @@ def _attend(
         out = F.scaled_dot_product_attention(
             q, keys, values, attn_mask=chunk.mask, is_causal=chunk.causal, scale=scale, enable_gqa=True
         ).transpose(1, 2)  # [b, max_q, Hq, D]
-    out = out.reshape(batch * max_q, num_q_heads, head_dim)
+    out = out.reshape(batch * max_q, num_q_heads, values.shape[-1])
     return out if chunk.rows is None else out.index_select(0, chunk.rows)
 
 
@@ -225,8 +237,8 @@ def _sdpa_folded(
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     else:
         out = _softcapped_attention(q, keys, values, mask, scale, softcap)
-    out = out.view(batch, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    return out.reshape(batch, max_q, num_q_heads, head_dim)
+    out = out.view(batch, num_kv_heads, group, max_q, values.shape[-1]).permute(0, 3, 1, 2, 4)
+    return out.reshape(batch, max_q, num_q_heads, values.shape[-1])
 
 
 def _softcapped_attention(

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specdec import kernel_abi, native
-from specdec.kernel_abi import MAX_HEAD_DIM, check_tensor
+from specdec.kernel_abi import MAX_HEAD_DIM, MAX_LATENT_DIM, check_tensor
 
 from .metadata import AttentionMetadata
 
@@ -24,7 +24,7 @@ SOURCE = Path(__file__).with_name("paged_attention.c")
 
 def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
     """The library for `level` (None: the one this machine runs; see `native.simd_kernel`)."""
-    return native.simd_kernel((SOURCE,), ("rope_write_attend",), level)
+    return native.simd_kernel((SOURCE,), ("rope_write_attend", "latent_attend"), level)
 
 
 # Longer windows (prefill) go to SDPA: the kernel walks the keys once per query row, which at
@@ -64,6 +64,51 @@ def supports(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, 
     return use
 
 
+def supports_latent(meta: AttentionMetadata, query: torch.Tensor, cache: torch.Tensor, kv_scale: float) -> bool:
+    """Whether `latent_attend` handles this step's latent layers: as `supports` asks, with the
+    latent (its width a multiple of 16 up to `MAX_LATENT_DIM`) in place of a head. Decided by the
+    first layer of a forward and kept in `meta.scratch`."""
+    use = meta.scratch.get("cpu_latent_attention")
+    if use is None:
+        use = meta.scratch["cpu_latent_attention"] = bool(
+            meta.backend in ("auto", "c")
+            and query.device.type == "cpu"
+            and query.dtype == torch.bfloat16
+            and cache.device.type == "cpu"
+            and cache.dtype == torch.bfloat16
+            and kv_scale == 1.0
+            and cache.shape[-1] % 16 == 0
+            and cache.shape[-1] <= MAX_LATENT_DIM
+            and meta.max_query_len <= MAX_QUERY_LEN
+            and load_attention() is not None
+        )
+    return use
+
+
+def latent_attend(
+    query: torch.Tensor,  # [T, Hq, D] bf16: D = latent rank + rope
+    cache: torch.Tensor,  # [N, S, 1, D] bf16: the layer's latents, this step's already written
+    value_dim: int,  # the latent rank: the values are the latents' first value_dim dims
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, value_dim] bf16
+    """Multi-head latent attention's absorbed path: every query head over the latents as keys and
+    their first `value_dim` dims as values (see `paged_attention.c`). Tensors checked first."""
+    num_tokens, num_q_heads, dim = query.shape
+    a = attention_descriptor(meta, None, None, None, cache, num_q_heads, 1, latent=True)
+    check_tensor("query", query, (torch.bfloat16,), (meta.num_tokens, num_q_heads, dim))
+    if dim != a.d or value_dim % 16 or not 0 < value_dim <= min(dim, MAX_HEAD_DIM):
+        raise ValueError(f"latent_attend: queries of {dim} dims, latents of {a.d}, values of {value_dim}")
+    lib = load_attention()
+    if lib is None:
+        raise RuntimeError(f"the CPU attention kernel cannot run here: {kernel().unavailable_reason()}")
+    out = query.new_empty(num_tokens, num_q_heads, value_dim)
+    rc = lib.latent_attend(ctypes.byref(a), query.data_ptr(), cache.data_ptr(), value_dim, scale, out.data_ptr(),
+                           torch.get_num_threads())
+    kernel_abi.raise_for_status(rc, "latent_attend")
+    return out
+
+
 def rope_write_attend(
     qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D] bf16, rows q | k | v; q and k rotated in place
     num_q_heads: int,
@@ -101,6 +146,7 @@ def attention_descriptor(
     k_cache: torch.Tensor,  # [N, S, Hkv, D] bf16 (one layer's; its geometry is every layer's)
     num_q_heads: int,
     num_kv_heads: int,
+    latent: bool = False,  # k_cache holds latents (`latent_attend`): widths a multiple of 16 up to MAX_LATENT_DIM
 ) -> kernel_abi.Attention:
     """The step's `struct specdec_attention`, after checking every tensor it points to and the
     head sizes (`ValueError` naming what is wrong). The tensors must outlive its use."""
@@ -108,8 +154,9 @@ def attention_descriptor(
         raise ValueError(f"k_cache must be [N, S, Hkv, D], got {list(k_cache.shape)}")
     num_blocks, block_size, _, head_dim = k_cache.shape
     check_tensor("k_cache", k_cache, (torch.bfloat16,), (num_blocks, block_size, num_kv_heads, head_dim))
-    if head_dim % 32 or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be a multiple of 32 up to {MAX_HEAD_DIM} for the C kernel, got {head_dim}")
+    multiple, widest = (16, MAX_LATENT_DIM) if latent else (32, MAX_HEAD_DIM)
+    if head_dim % multiple or head_dim > widest:
+        raise ValueError(f"head_dim must be a multiple of {multiple} up to {widest} for the C kernel, got {head_dim}")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     t, b = meta.num_tokens, meta.num_seqs

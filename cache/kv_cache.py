@@ -18,6 +18,10 @@ class KVCacheSpec:
 
     ``dtype`` is the model dtype (fp32, bf16, fp16) or ``torch.float8_e4m3fn``, which halves the
     cache of a bf16 model; fp8 values are stored as ``value / scale``.
+
+    A latent cache (``latent_rank`` > 0: multi-head latent attention) holds one plane instead of
+    keys and values: per token one "head" of ``head_dim`` = latent rank + rope width values, whose
+    first ``latent_rank`` are also the values (``PagedKVCache.layer`` gives them as a view).
     """
 
     num_layers: int
@@ -26,11 +30,15 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     device: torch.device | str = "cpu"
+    latent_rank: int = 0  # > 0: one plane of latents whose first latent_rank values are the values
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVCacheSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.latent_rank and not (0 < self.latent_rank <= self.head_dim and self.num_kv_heads == 1):
+            raise ValueError(f"a latent cache has one head with its values in its first dims; got "
+                             f"{self.num_kv_heads} heads of {self.head_dim} dims, latent rank {self.latent_rank}")
         if not self.dtype.is_floating_point:
             raise ValueError(f"KV cache dtype must be a floating type, got {self.dtype}")
         if self.is_fp8 and torch.device(self.device).type == "cuda":
@@ -45,14 +53,24 @@ class KVCacheSpec:
     def is_fp8(self) -> bool:
         return self.dtype in FP8_DTYPES
 
+    @property
+    def planes(self) -> int:
+        """Tensors a layer keeps per token: keys and values (2), or the latent (1)."""
+        return 1 if self.latent_rank else 2
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes across all layers (keys and values, or the latent)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.planes * self.num_kv_heads * self.head_dim * elem
+
     def bytes_per_block(self) -> int:
         """Bytes one block takes across all layers, keys and values."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * self.bytes_per_token()
 
 
 class PagedKVCache:
-    """The KV cache of one model: ``kv [L, 2, N, S, Hkv, D]`` (index 0 keys, 1 values).
+    """The KV cache of one model: ``kv [L, 2, N, S, Hkv, D]`` (index 0 keys, 1 values), or for a
+    latent spec ``kv [L, 1, N, S, 1, D]``.
 
     ``k_scale``/``v_scale`` convert between stored and real values (stored = value / scale,
     read = stored * scale); they matter for fp8 and are 1.0 otherwise by default.
@@ -67,10 +85,14 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.k_scale = float(kv_scale)
         self.v_scale = float(kv_scale)
-        shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = _zeros(shape, spec.dtype, spec.device)  # [L, 2, N, S, Hkv, D]
-        # each layer's (k, v) views, made once: every forward asks for every layer's
-        self._layers = [(self.kv[i, 0], self.kv[i, 1]) for i in range(spec.num_layers)]
+        shape = (spec.num_layers, spec.planes, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.kv = _zeros(shape, spec.dtype, spec.device)  # [L, 2, N, S, Hkv, D] (latent: [L, 1, N, S, 1, D])
+        # each layer's (k, v) views, made once: every forward asks for every layer's; a latent
+        # layer's values are its latents' first latent_rank dims
+        self._layers = [
+            (self.kv[i, 0], self.kv[i, 0][..., : spec.latent_rank] if spec.latent_rank else self.kv[i, 1])
+            for i in range(spec.num_layers)
+        ]
 
     @classmethod
     def from_memory_budget(
@@ -82,7 +104,7 @@ class PagedKVCache:
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget of {int(budget_bytes)} bytes is below one block "
-                f"({per_block} bytes for {spec.num_layers} layers x 2 x {spec.block_size} tokens x "
+                f"({per_block} bytes for {spec.num_layers} layers x {spec.planes} x {spec.block_size} tokens x "
                 f"{spec.num_kv_heads} heads x {spec.head_dim} dims in {spec.dtype})"
             )
         return cls(spec, num_blocks, kv_scale=kv_scale)
@@ -96,7 +118,8 @@ class PagedKVCache:
         return self.spec.num_layers
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(k_cache, v_cache)``, each ``[N, S, Hkv, D]``, of layer ``i``."""
+        """Views ``(k_cache, v_cache)``, each ``[N, S, Hkv, D]``, of layer ``i`` (latent: the
+        latents ``[N, S, 1, D]`` and their first ``latent_rank`` dims)."""
         if not 0 <= i < self.spec.num_layers:
             raise ValueError(f"layer {i} out of range (0..{self.spec.num_layers - 1})")
         return self._layers[i]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -91,3 +91,22 @@ def build_attention_metadata(
         seq_lens_cpu=seq_lens,
         query_lens_cpu=query_lens,
     )
+
+
+def compact_blocks(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMetadata]:
+    """`(block_ids [n], meta')`: the distinct cache blocks this step's sequences read, and the
+    metadata with its block tables numbering those blocks 0..n-1 in that order. A caller that
+    expands each block into another layout (`[n, S, ...]`: MLA's keys and values decompressed
+    from its latents) attends over it with `meta'` as over the cache with `meta`.
+
+    >>> from specdec.cache import BlockPool
+    >>> pool = BlockPool(8)
+    >>> a, b = BlockTable(pool, block_size=2), BlockTable(pool, block_size=2)
+    >>> a.ensure_slots(3), b.ensure_slots(3)  # a holds blocks 0 and 1, b 2 and 3
+    (True, True)
+    >>> ids, m = compact_blocks(build_attention_metadata([b], [0], [3], "cpu"))
+    >>> ids.tolist(), m.block_tables.tolist()
+    ([2, 3], [[0, 1]])
+    """
+    ids, inverse = torch.unique(meta.block_tables, return_inverse=True)
+    return ids.long(), replace(meta, block_tables=inverse.to(torch.int32), scratch={})

@@ -16,6 +16,11 @@
  * one it would get alone, in the same order. So neither the grouping (chosen by the row count
  * and threads) nor what else is in the batch changes a bit of a row's result: verifying k+1 rows
  * gives bitwise the rows that k+1 single-row steps give.
+ *
+ * `latent_attend` is the same attention for multi-head latent attention's absorbed path: one KV
+ * "head" per token, the latent (rank + rope wide), whose first dv values are the values; every
+ * query head shares it (MQA), so a work item reads each latent once for up to GROUP_MAX heads.
+ * The step's latents are already in the cache (the model writes them); nothing is rotated here.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,6 +31,7 @@
 
 #define KEYS 16 /* keys per softmax chunk: one zmm of scores */
 #define GROUP_MAX 8 /* query heads attended together over one read of their KV head */
+#define KEY_MAX (SPECDEC_MAX_LATENT_DIM > SPECDEC_MAX_HEAD_DIM ? SPECDEC_MAX_LATENT_DIM : SPECDEC_MAX_HEAD_DIM)
 
 /* Rotate `heads` heads of `d` bf16 values at x in place (neox halves), as apply_rope does in bf16. */
 static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, const float *sin) {
@@ -44,15 +50,15 @@ static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, 
     }
 }
 
-/* `g` query heads q[g][d] (fp32) sharing one KV head against its keys 0..num_keys-1; head h's
- * softmax . V goes to out + h * d. Each key and value is widened once for the g heads; each
- * head's operations are those of a lone head, in the same order (one head: g = 1). */
-static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t d, const uint16_t *k_cache,
-                         const uint16_t *v_cache, const int32_t *blocks, int64_t block_size,
-                         int64_t slot_stride, float scale, float *acc, uint16_t *out) {
-    const int64_t vecs = d / 16;
+/* `g` query heads q[g][dk] (fp32) sharing one KV head against its keys 0..num_keys-1; head h's
+ * softmax . V (dv wide) goes to out + h * dv. Each key and value is widened once for the g heads;
+ * each head's operations are those of a lone head, in the same order (one head: g = 1). */
+static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t dk, int64_t dv,
+                         const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *blocks,
+                         int64_t block_size, int64_t slot_stride, float scale, float *acc, uint16_t *out) {
+    const int64_t kvecs = dk / 16, vecs = dv / 16, d = dv; /* acc and out rows are dv wide */
     float max[GROUP_MAX], sum[GROUP_MAX], rescale[GROUP_MAX], s[GROUP_MAX][KEYS];
-    vf key[SPECDEC_MAX_HEAD_DIM / 16], a[GROUP_MAX];
+    vf key[KEY_MAX / 16], a[GROUP_MAX];
     for (int64_t h = 0; h < g; h++) {
         max[h] = -INFINITY;
         sum[h] = 0.0f;
@@ -64,10 +70,10 @@ static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t d,
         for (int64_t j = 0; j < n; j++) {
             const int64_t k = j0 + j;
             offs[j] = ((int64_t)blocks[k / block_size] * block_size + k % block_size) * slot_stride;
-            for (int64_t v = 0; v < vecs; v++) key[v] = vf_load_bf16(k_cache + offs[j] + 16 * v); /* exact */
+            for (int64_t v = 0; v < kvecs; v++) key[v] = vf_load_bf16(k_cache + offs[j] + 16 * v); /* exact */
             for (int64_t h = 0; h < g; h++) {
                 vf dot = vf_zero();
-                for (int64_t v = 0; v < vecs; v++) dot = vf_fmadd(vf_load(q + h * d + 16 * v), key[v], dot);
+                for (int64_t v = 0; v < kvecs; v++) dot = vf_fmadd(vf_load(q + h * dk + 16 * v), key[v], dot);
                 s[h][j] = vf_reduce_add(dot) * scale;
             }
         }
@@ -176,9 +182,64 @@ int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t 
             const uint16_t *qp = qkv + t * row_stride + h * d;
             for (int64_t v = 0; v < g * d / 16; v++) vf_store(q + 16 * v, vf_load_bf16(qp + 16 * v));
             const int64_t kv_head = h / (hq / hkv);
-            attend_group(q, g, num_keys, d, k_cache + kv_head * d, v_cache + kv_head * d,
+            attend_group(q, g, num_keys, d, d, k_cache + kv_head * d, v_cache + kv_head * d,
                          block_tables + b * max_blocks, block_size, kv_width, scale, acc,
                          out + t * hq * d + h * d);
+        }
+    }
+    return SPECDEC_OK;
+}
+
+/* Checks latent_attend's sizes and indices as `check` does rope_write_attend's. */
+static int check_latent(const struct specdec_attention *a, const uint16_t *q, const uint16_t *cache, int64_t dv,
+                        const uint16_t *out) {
+    if (!q || !cache || !out || !a->block_tables || !a->seq_lens || !a->query_start_loc || a->d <= 0 ||
+        a->d % 16 || a->d > SPECDEC_MAX_LATENT_DIM || dv <= 0 || dv % 16 || dv > a->d || dv > SPECDEC_MAX_HEAD_DIM ||
+        a->hq <= 0 || a->hkv != 1 || a->num_seqs < 0 || a->block_size <= 0)
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+    const int32_t *query_start_loc = a->query_start_loc, *seq_lens = a->seq_lens;
+    if (query_start_loc[0] != 0) return SPECDEC_ERR_LENGTHS;
+    for (int64_t b = 0; b < a->num_seqs; b++) {
+        const int64_t query_len = query_start_loc[b + 1] - query_start_loc[b];
+        if (query_len < 0 || query_len > seq_lens[b] || seq_lens[b] > a->max_blocks * a->block_size)
+            return SPECDEC_ERR_LENGTHS;
+        for (int64_t i = 0; i < (seq_lens[b] + a->block_size - 1) / a->block_size; i++) {
+            const int32_t block = a->block_tables[b * a->max_blocks + i];
+            if (block < 0 || block >= a->num_blocks) return SPECDEC_ERR_BLOCK;
+        }
+    }
+    return SPECDEC_OK;
+}
+
+/* q [T, hq, d] bf16 (d = a->d: latent rank + rope, a multiple of 16 up to SPECDEC_MAX_LATENT_DIM)
+ * attends over the cache's latents bf16 [num_slots, d] (a->hkv = 1) as keys and their first dv
+ * values (a multiple of 16, at most SPECDEC_MAX_HEAD_DIM) as values, row t of sequence b seeing
+ * keys 0..seq_len_b - query_len_b + (t - start_b). out [T, hq, dv] bf16. Returns SPECDEC_OK, or
+ * the status of `check_latent`. */
+int latent_attend(const struct specdec_attention *a, const uint16_t *q, const uint16_t *cache, int64_t dv,
+                  float scale, uint16_t *out, int threads) {
+    const int rc = check_latent(a, q, cache, dv, out);
+    if (rc != SPECDEC_OK) return rc;
+    const int32_t *block_tables = a->block_tables, *seq_lens = a->seq_lens, *query_start_loc = a->query_start_loc;
+    const int64_t max_blocks = a->max_blocks, num_seqs = a->num_seqs, block_size = a->block_size;
+    const int64_t hq = a->hq, d = a->d;
+    const int64_t num_rows = query_start_loc[num_seqs];
+    const int64_t g = heads_per_item(hq, num_rows, threads), items_per_row = hq / g;
+#pragma omp parallel num_threads(threads)
+    {
+        /* checked: d <= SPECDEC_MAX_LATENT_DIM, dv <= SPECDEC_MAX_HEAD_DIM; g <= GROUP_MAX */
+        float qf[GROUP_MAX * SPECDEC_MAX_LATENT_DIM], acc[GROUP_MAX * SPECDEC_MAX_HEAD_DIM];
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_rows * items_per_row; item++) {
+            const int64_t t = item / items_per_row, h = item % items_per_row * g; /* heads h..h+g-1 */
+            int64_t b = 0;
+            while (query_start_loc[b + 1] <= t) b++;
+            const int64_t query_len = query_start_loc[b + 1] - query_start_loc[b];
+            const int64_t num_keys = seq_lens[b] - query_len + (t - query_start_loc[b]) + 1;
+            const uint16_t *qp = q + (t * hq + h) * d;
+            for (int64_t v = 0; v < g * d / 16; v++) vf_store(qf + 16 * v, vf_load_bf16(qp + 16 * v));
+            attend_group(qf, g, num_keys, d, dv, cache, cache, block_tables + b * max_blocks, block_size, d, scale,
+                         acc, out + (t * hq + h) * dv);
         }
     }
     return SPECDEC_OK;

@@ -1,6 +1,7 @@
 """Whole KV blocks as bytes, out of one paged cache and into another (prefill/decode handoff).
 
-Blocks travel in the cache's own order, `[L, 2, n, S, Hkv, D]` of its dtype (so reading and
+Blocks travel in the cache's own order, `[L, 2, n, S, Hkv, D]` of its dtype (a latent cache's
+`[L, 1, n, S, 1, D]`) (so reading and
 writing them is one gather and one scatter along the block axis), carried as `uint8` so fp8 and
 bf16 travel as they are stored. Two caches can exchange blocks only when their specs are equal
 (`check_compatible`); nothing is converted.
@@ -22,9 +23,9 @@ from .kv_cache import KVCacheSpec, PagedKVCache
 
 
 def transit_shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
-    """`num_blocks` blocks in transit: `[L, 2, n, S, Hkv, D * element size]` bytes."""
+    """`num_blocks` blocks in transit: `[L, 2, n, S, Hkv, D * element size]` bytes (latent: 1 plane)."""
     element = torch.empty((), dtype=spec.dtype).element_size()
-    return (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim * element)
+    return (spec.num_layers, spec.planes, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim * element)
 
 
 def read_blocks(cache: PagedKVCache, block_ids: list[int]) -> np.ndarray:
@@ -88,7 +89,7 @@ def _scatter(cache: PagedKVCache, block_ids: list[int], data: np.ndarray) -> Non
 
 def check_compatible(sender: KVCacheSpec, receiver: KVCacheSpec) -> None:
     """ValueError naming the first field in which two caches' blocks differ."""
-    for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype"):
+    for name in ("num_layers", "num_kv_heads", "head_dim", "latent_rank", "block_size", "dtype"):
         a, b = getattr(sender, name), getattr(receiver, name)
         if a != b:
             raise ValueError(f"KV caches differ in {name}: {a} vs {b}")

@@ -170,7 +170,8 @@ def compat_mismatch(ours: dict[str, str], theirs: dict[str, str]) -> str | None:
 
 
 def _spec_text(spec: Any, scale: float) -> str:
-    return (f"{spec.num_layers} layers x {spec.num_kv_heads} heads x {spec.head_dim} dims, block {spec.block_size}, "
+    latent = f" (latent rank {spec.latent_rank})" if spec.latent_rank else ""
+    return (f"{spec.num_layers} layers x {spec.num_kv_heads} heads x {spec.head_dim} dims{latent}, block {spec.block_size}, "
             f"{str(spec.dtype).replace('torch.', '')}, scale {scale:g}")
 
 

@@ -9,10 +9,11 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 2
+#define SPECDEC_ABI_VERSION 3
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
+#define SPECDEC_MAX_LATENT_DIM 1024 /* latent_attend: the widest latent (rank + rope) */
 
 /* What every exported kernel returns. */
 enum specdec_status {
@@ -84,6 +85,8 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
 /* cache/paged_attention.c */
 int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t row_stride,
                       uint16_t *k_cache, uint16_t *v_cache, float scale, uint16_t *out, int threads);
+int latent_attend(const struct specdec_attention *a, const uint16_t *q, const uint16_t *cache, int64_t dv,
+                  float scale, uint16_t *out, int threads);
 
 /* target/quant/moe.c (built with qgemm.c) */
 int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e, const void *norm_w, int norm_bf16,

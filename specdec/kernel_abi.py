@@ -14,10 +14,11 @@ import enum
 
 import torch
 
-ABI_VERSION = 2  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 3  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 MAX_HEAD_DIM = 512  # SPECDEC_MAX_HEAD_DIM: rope_write_attend's per-thread query buffer
+MAX_LATENT_DIM = 1024  # SPECDEC_MAX_LATENT_DIM: latent_attend's widest latent
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
@@ -119,6 +120,7 @@ class AbiEntry(ctypes.Structure):
 
 STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Moe, Layer, Attention, AbiEntry)
 CONSTANTS = {"SPECDEC_GROUP": GROUP, "SPECDEC_TILE": TILE, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
+             "SPECDEC_MAX_LATENT_DIM": MAX_LATENT_DIM,
              **{f"SPECDEC_{s.name}": int(s) for s in Status}}
 
 # name -> (restype, argtypes): kernel_abi.h's prototypes
@@ -128,6 +130,8 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "qgemm": (_I, [_P, _I, _I64, _I64, _I, _P, _P, _P, _I64, _P, _P, _P, _I, _P, _I, _F, _I]),
     # a, qkv, row_stride, k_cache, v_cache, scale, out, threads
     "rope_write_attend": (_I, [ctypes.POINTER(Attention), _P, _I64, _P, _P, _F, _P, _I]),
+    # a, q, cache, dv, scale, out, threads
+    "latent_attend": (_I, [ctypes.POINTER(Attention), _P, _P, _I64, _F, _P, _I]),
     # x, x_bf16, m, block, norm_w, norm_bf16, eps, residual, y, expert_ids, threads
     "moe_block": (_I, [_P, _I, _I64, ctypes.POINTER(Moe), _P, _I, _F, _P, _P, _P, _I]),
     # h, num_rows, layers, num_layers, norm_bf16, eps, a, kv, scale, qkv, att, gate_up, expert_ids,

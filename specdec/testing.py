@@ -49,7 +49,8 @@ def from_hf(hf_model, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     """Our model with the same weights as a transformers model."""
     config = ModelConfig.from_hf(hf_model.config)
     model = LlamaForCausalLM(config)
-    state = split_stacked_experts({k: v for k, v in hf_model.state_dict().items() if "rotary_emb" not in k})
+    state = split_stacked_experts({k.replace(".mlp.shared_experts.", ".mlp.shared_expert."): v  # DeepSeek's name
+                                   for k, v in hf_model.state_dict().items() if "rotary_emb" not in k})
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -249,6 +249,8 @@ def _candidates(name: str) -> list[str]:
     if m := _MIXTRAL.fullmatch(name):
         rest = m["rest"] if m["proj"] is None else m["rest"].replace(f"{m['proj']}_proj", _MIXTRAL_W[m["proj"]])
         names.append(f"{m['layer']}.block_sparse_moe.{rest}")
+    if ".mlp.shared_expert." in name:  # DeepSeek's checkpoints: `shared_experts` (all of them as one MLP)
+        names.append(name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))
     return names
 
 

@@ -8,10 +8,11 @@ each a field of `ModelConfig` whose default is Llama's.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.target.rope import LAYER_TYPES, layer_typed
+from specdec.target.rope import LAYER_TYPES, layer_typed, rope_parameters
 
 log = logging.getLogger("specdec")
 
@@ -29,8 +30,12 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    # multi-head latent attention (`MLAConfig`) over mixtures of experts
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MLA_TYPES = ("deepseek_v2", "deepseek_v3")
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", *MLA_TYPES)
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Multimodal configs whose text model we run (the image tower is not loaded).
 TEXT_OF_MULTIMODAL = ("gemma3",)
@@ -45,19 +50,66 @@ class UnsupportedModelError(ValueError):
 class MoEConfig:
     """A sparse MLP: a router picks `top_k` of `num_experts` SiLU-GLU experts per token.
 
-    Every family routes by softmax over all experts, then the top k (Mixtral's top k of the logits,
-    then softmax over those, is the same distribution as softmax, top k, renormalize).
+    Qwen, Mixtral and OLMoE route by softmax over all experts, then the top k (Mixtral's top k of
+    the logits, then softmax over those, is the same distribution as softmax, top k, renormalize).
+    DeepSeek adds group-limited routing (the top k taken within the `topk_groups` best of
+    `num_groups` expert groups), a scale on the routed experts' weights, and in V3 sigmoid scores
+    with a per-expert bias that only chooses (the weights are the unbiased scores).
     """
 
     num_experts: int
     top_k: int
     expert_size: int  # each expert's intermediate width
     norm_topk: bool  # renormalize the top k weights to sum 1 (Mixtral always; Qwen / OLMoE by config)
-    shared_expert_size: int = 0  # Qwen2-MoE: an always-on expert, gated by sigmoid(x . w); 0: none
+    shared_expert_size: int = 0  # an always-on expert of this width; 0: none
+    shared_expert_gated: bool = True  # Qwen2-MoE: the shared expert scaled by sigmoid(x . w); DeepSeek: not
     sparse_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense MLP of `intermediate_size`
+    scoring: str = "softmax"  # "softmax" over all experts, or "sigmoid" per expert (DeepSeek-V3)
+    score_bias: bool = False  # DeepSeek-V3: `gate.e_score_correction_bias` added to choose, not to weigh
+    num_groups: int = 1  # DeepSeek: experts in groups, the top k chosen in the best `topk_groups` of them
+    topk_groups: int = 1
+    group_score: str = "max"  # a group's score: its best expert ("max", V2) or its best two summed ("top2", V3)
+    routed_scaling: float = 1.0  # DeepSeek: the routed experts' weights times this
+    fp32_router: bool = False  # DeepSeek: the router's product in fp32 whatever the model dtype
 
     def is_sparse(self, layer_idx: int) -> bool:
         return self.sparse_layers[layer_idx] if self.sparse_layers else True
+
+    @property
+    def plain_routing(self) -> bool:
+        """Softmax, the top k of every expert, weights unscaled: what the C expert kernel routes
+        (its router product is fp32 whatever the weights' dtype, as `fp32_router` asks)."""
+        return self.scoring == "softmax" and not self.score_bias and self.num_groups == 1 and self.routed_scaling == 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one latent per token,
+    `kv_lora_rank` wide (normalized), plus a `qk_rope_head_dim`-wide rotated key part shared by
+    every head; the cache holds just those (`latent_dim` values a token and layer).
+
+    A head's key is `[k_nope | k_rope]` with `k_nope = W_UK c` (`qk_nope_head_dim`), its value
+    `W_UV c` (`v_head_dim`), `kv_b_proj` holding `W_UK | W_UV` per head. Queries come from `q_proj`,
+    or with `q_lora_rank` from `q_b_proj(norm(q_a_proj(x)))`. DeepSeek rotates interleaved pairs
+    (`rope_interleave`, V2 always); the model turns them into rotate-half order before rope, the
+    same permutation for queries and keys, so every dot product is unchanged.
+    """
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    rope_interleave: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        """What the cache holds per token and layer: the latent and the rotated key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass
@@ -92,7 +144,8 @@ class ModelConfig:
     qk_norm_full: bool = False  # OLMoE: q and k RMS-normalised over all their heads at once (not per head)
     o_bias: bool = False  # OLMoE with attention_bias: o_proj has a bias too
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
-    moe: MoEConfig | None = None  # sparse MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE); None: dense
+    moe: MoEConfig | None = None  # sparse MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek); None: dense
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3); None: GQA
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer_idx)
@@ -112,7 +165,7 @@ class ModelConfig:
             "sliding windows": any(w is not None for w in self.sliding_windows),
             "local rope": any(self.local_rope_layers), "fused checkpoint projections": self.fused_checkpoint,
             "whole-width q/k norms": self.qk_norm_full, "o_proj bias": self.o_bias,
-            "q/k/v clipping": self.clip_qkv is not None,
+            "q/k/v clipping": self.clip_qkv is not None, "multi-head latent attention": self.mla is not None,
         }
         return [name for name, present in features.items() if present]
 
@@ -142,8 +195,11 @@ class ModelConfig:
             return cls.from_hf(text)
         model_type = _model_type(hf_config)
         heads = hf_config.num_attention_heads
+        mla = _mla_config(hf_config, model_type)
         num_layers = hf_config.num_hidden_layers
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+        if mla is not None:  # the rotary tables' width; the attention's shapes are in `mla`
+            head_dim = mla.qk_rope_head_dim
         eos = hf_config.eos_token_id
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(getattr(hf_config, "attention_bias", False)) or model_type == "qwen2"
@@ -178,7 +234,7 @@ class ModelConfig:
             gemma_norms=gemma,
             embedding_scale=hf_config.hidden_size**0.5 if gemma else None,
             hidden_act=hidden_act,
-            query_scale=hf_config.query_pre_attn_scalar**-0.5 if gemma else None,
+            query_scale=hf_config.query_pre_attn_scalar**-0.5 if gemma else _mla_scale(hf_config, mla),
             attn_logit_softcap=getattr(hf_config, "attn_logit_softcapping", None) if gemma else None,
             final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None) if gemma else None,
             sliding_windows=windows,
@@ -188,6 +244,7 @@ class ModelConfig:
             o_bias=olmoe and attention_bias,
             clip_qkv=getattr(hf_config, "clip_qkv", None) if olmoe else None,
             moe=_moe_config(hf_config, model_type, num_layers),
+            mla=mla,
         )
 
 
@@ -222,6 +279,8 @@ def _moe_config(hf_config: Any, model_type: str, num_layers: int) -> MoEConfig |
     if model_type in ("qwen3_moe", "qwen2_moe"):
         step, dense = hf_config.decoder_sparse_step or 1, set(hf_config.mlp_only_layers or ())
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    if model_type in MLA_TYPES:
+        return _deepseek_moe(hf_config, model_type, num_experts, top_k, num_layers)
     return MoEConfig(
         num_experts=num_experts,
         top_k=top_k,
@@ -230,6 +289,63 @@ def _moe_config(hf_config: Any, model_type: str, num_layers: int) -> MoEConfig |
         shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0,
         sparse_layers=sparse,
     )
+
+
+def _deepseek_moe(hf_config: Any, model_type: str, num_experts: int, top_k: int, num_layers: int) -> MoEConfig:
+    """DeepSeek's sparse MLP as transformers runs it: the first `first_k_dense_replace` layers
+    dense; V2 softmax scores ("greedy", or "group_limited_greedy": groups by their best expert), no
+    renormalization; V3 sigmoid scores with a choosing bias, groups by their best two experts."""
+    v3 = model_type == "deepseek_v3"
+    method = getattr(hf_config, "topk_method", None) or "greedy"
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedModelError(f"deepseek_v2: topk_method {method!r} is not supported (greedy, group_limited_greedy)")
+    grouped = v3 or method == "group_limited_greedy"
+    groups = (getattr(hf_config, "n_group", None) or 1) if grouped else 1
+    topk_groups = (getattr(hf_config, "topk_group", None) or 1) if grouped else 1
+    if num_experts % groups or not 0 < topk_groups <= groups or topk_groups * (num_experts // groups) < top_k:
+        raise UnsupportedModelError(
+            f"{model_type}: {num_experts} experts in {groups} groups, the best {topk_groups} kept, cannot give "
+            f"{top_k} experts a token")
+    first_dense = getattr(hf_config, "first_k_dense_replace", 0) or 0
+    shared = (getattr(hf_config, "n_shared_experts", 0) or 0) * hf_config.moe_intermediate_size
+    return MoEConfig(
+        num_experts=num_experts, top_k=top_k, expert_size=hf_config.moe_intermediate_size,
+        norm_topk=v3 and bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_expert_size=shared, shared_expert_gated=False,
+        sparse_layers=tuple(i >= first_dense for i in range(num_layers)),
+        scoring="sigmoid" if v3 else "softmax", score_bias=v3, num_groups=groups, topk_groups=topk_groups,
+        group_score="top2" if v3 else "max", routed_scaling=float(getattr(hf_config, "routed_scaling_factor", 1.0)),
+        fp32_router=True,
+    )
+
+
+def _mla_config(hf_config: Any, model_type: str) -> MLAConfig | None:
+    if model_type not in MLA_TYPES:
+        return None
+    mla = MLAConfig(
+        kv_lora_rank=hf_config.kv_lora_rank, qk_nope_head_dim=hf_config.qk_nope_head_dim,
+        qk_rope_head_dim=hf_config.qk_rope_head_dim, v_head_dim=hf_config.v_head_dim,
+        q_lora_rank=getattr(hf_config, "q_lora_rank", None) or None,
+        rope_interleave=model_type == "deepseek_v2" or bool(getattr(hf_config, "rope_interleave", True)),
+    )
+    if mla.qk_rope_head_dim % 2:
+        raise UnsupportedModelError(f"{model_type}: the rope part must have an even width, got {mla.qk_rope_head_dim}")
+    return mla
+
+
+def _mla_scale(hf_config: Any, mla: MLAConfig | None) -> float | None:
+    """MLA's softmax scale: `qk_head_dim ** -0.5`, times YaRN's `mscale(factor, mscale_all_dim) ** 2`
+    where the rope is scaled (DeepSeek's long-context checkpoints)."""
+    if mla is None:
+        return None
+    scale = mla.qk_head_dim**-0.5
+    params = rope_parameters(hf_config)
+    if params["rope_type"] != "default" and (mscale_all_dim := params.get("mscale_all_dim")):
+        factor = params["factor"]
+        if factor > 1:
+            mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+            scale *= mscale * mscale
+    return scale
 
 
 def _sliding_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:

@@ -1,6 +1,7 @@
 """One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3,
-and the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) over flat, varlen token batches.
-A layer's MLP is dense (`MLP`) or sparse (`moe.SparseMoE`), as the config says per layer.
+the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, and DeepSeek-V2/V3) over flat,
+varlen token batches. A layer's blocks are chosen by the config: attention GQA (`Attention`) or
+multi-head latent (`mla.LatentAttention`), MLP dense (`MLP`) or sparse (`moe.SparseMoE`), per layer.
 
 The model sees only `input_ids [T]`, `positions [T]`, the paged KV cache and the attention metadata
 of one step; it returns logits only for the rows asked for (`logits_indices`), so verification can
@@ -16,11 +17,12 @@ import logging
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention, paged_attention, write_kv
 from specdec.target.config import ModelConfig
+from specdec.target.layers import RMSNorm, gelu_tanh, make_norm, normed, plus_linear
+from specdec.target.mla import LatentAttention
 from specdec.target.moe import SparseMoE
 from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope
 
@@ -34,68 +36,6 @@ class LayerStack(Protocol):
 
     def run(self, h: torch.Tensor, rotation: Rotation, kv_cache: PagedKVCache, meta: AttentionMetadata) -> bool:
         """Run every layer on `h [T, hidden]` in place; False (nothing done) where it cannot."""
-
-
-class RMSNorm(nn.Module):
-    kernel_fusable = True  # what QLinear's fused norm computes (`normed`)
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as transformers does, then scale in the model dtype.
-        x32 = x.float()
-        inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        x32 = x32 * inv_rms if x32 is x else x32.mul_(inv_rms)  # x.float() made a copy: reuse it
-        return self.weight * x32.to(x.dtype)
-
-
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: scales by `1 + weight` in fp32, then casts (Llama casts, then scales)."""
-
-    kernel_fusable = False
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__(hidden_size, eps)
-        nn.init.zeros_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-
-
-def make_norm(config: ModelConfig, size: int) -> RMSNorm:
-    return GemmaRMSNorm(size, config.rms_norm_eps) if config.gemma_norms else RMSNorm(size, config.rms_norm_eps)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
-
-def normed(norm: RMSNorm | None, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`linear(norm(x))`; one call where the linear fuses the norm into its kernel
-    (`fuses_rmsnorm`: `QLinear`), saving the norm's eight ops per call."""
-    if norm is None:
-        return linear(x)
-    if getattr(linear, "fuses_rmsnorm", False) and norm.kernel_fusable and norm.weight.dtype in (torch.bfloat16, torch.float32):
-        return linear(x, norm.weight, norm.eps)
-    return linear(norm(x))
-
-
-def plus_linear(
-    residual: torch.Tensor | None, linear: nn.Module, x: torch.Tensor, glu: bool = False
-) -> torch.Tensor:
-    """`residual + linear(x)` (None: no residual), or with `glu` of `silu(gate) * up` where `x` is
-    `gate | up`; one call where the linear fuses both into its kernel (`fuses_epilogue`: `QLinear`)."""
-    if getattr(linear, "fuses_epilogue", False):
-        return linear(x, residual=residual, glu=glu)
-    if glu:
-        gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
-    return linear(x) if residual is None else residual + linear(x)
 
 
 class Attention(nn.Module):
@@ -220,7 +160,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = LatentAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
         self.mlp = SparseMoE(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)

@@ -1,9 +1,12 @@
-"""The sparse MLP of the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE).
+"""The sparse MLP of the mixture-of-experts families (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE,
+DeepSeek-V2/V3).
 
 A router (`gate`, kept dense) scores every expert per token; the top k experts, each a SiLU-GLU
 MLP (`experts[e]`, the dense `MLP` with the expert's width), run on just the rows that chose them,
 and their outputs are summed with the router weights. Qwen2-MoE adds a shared expert on every
-row, scaled by `sigmoid(shared_expert_gate(x))`.
+row, scaled by `sigmoid(shared_expert_gate(x))`; DeepSeek's shared experts (one MLP as wide as
+all of them, `shared_experts` in its checkpoints) are added unscaled. DeepSeek's routing variants
+(groups, sigmoid scores with a choosing bias, a scale) are `MoEConfig`'s fields.
 
 Parameter names are transformers' checkpoint names (`mlp.gate`, `mlp.experts.{e}.gate_proj`, ...);
 transformers' own modules stack the experts (`experts.gate_up_proj [E, 2I, H]`), which
@@ -37,9 +40,21 @@ class ExpertKernel(Protocol):
 
 class Router(nn.Linear):
     """The expert scores `[T, E]`; a plain linear the quantizers leave dense (`keep_dense`): its
-    argmaxes choose the experts, and llama.cpp keeps it in float too."""
+    argmaxes choose the experts, and llama.cpp keeps it in float too. DeepSeek-V3's router holds
+    the per-expert bias that chooses (`e_score_correction_bias`, fp32) beside its weight."""
 
     keep_dense = True
+
+    def __init__(self, hidden: int, num_experts: int, score_bias: bool = False) -> None:
+        super().__init__(hidden, num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if score_bias else None
+
+    def _apply(self, fn, *args, **kwargs):  # the bias stays fp32 (it is compared, never multiplied in)
+        bias = self.e_score_correction_bias
+        out = super()._apply(fn, *args, **kwargs)
+        if bias is not None and self.e_score_correction_bias.dtype != torch.float32:
+            self.e_score_correction_bias = nn.Parameter(self.e_score_correction_bias.float(), requires_grad=False)
+        return out
 
 
 class SparseMoE(nn.Module):
@@ -48,10 +63,12 @@ class SparseMoE(nn.Module):
         moe = config.moe
         assert moe is not None
         self.num_experts, self.top_k, self.norm_topk = moe.num_experts, moe.top_k, moe.norm_topk
-        self.gate = Router(config.hidden_size, moe.num_experts, bias=False)
+        self.routing = moe
+        self.gate = Router(config.hidden_size, moe.num_experts, moe.score_bias)
         self.experts = nn.ModuleList(mlp_class(config, moe.expert_size) for _ in range(moe.num_experts))
         self.shared_expert = mlp_class(config, moe.shared_expert_size) if moe.shared_expert_size else None
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_expert_size else None
+        gated = moe.shared_expert_size and moe.shared_expert_gated
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None
         self.kernel: ExpertKernel | None = None  # see ExpertKernel
         self.last_expert_ids: torch.Tensor | None = None  # [T, k] of the last forward
 
@@ -64,11 +81,30 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(weights [T, k] in x's dtype, expert ids [T, k])`: softmax over every expert in fp32,
-        the top k, renormalized where the family does (transformers' routers)."""
-        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        the top k, renormalized where the family does (transformers' routers); DeepSeek's
+        variants as `MoEConfig` describes them."""
+        moe = self.routing
+        if moe.fp32_router:
+            logits = F.linear(x.float(), self.gate.weight.float())
+        else:
+            logits = self.gate(x)
+        scores = logits.float().sigmoid() if moe.scoring == "sigmoid" else F.softmax(logits, dim=-1, dtype=torch.float32)
+        if moe.num_groups == 1 and not moe.score_bias:
+            weights, ids = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            choice = scores if self.gate.e_score_correction_bias is None else scores + self.gate.e_score_correction_bias
+            if moe.num_groups > 1:  # only the experts of the best `topk_groups` groups may be chosen
+                groups = choice.view(x.shape[0], moe.num_groups, -1)  # [T, G, E / G]
+                group_scores = groups.amax(-1) if moe.group_score == "max" else groups.topk(2, dim=-1).values.sum(-1)
+                kept = torch.zeros_like(group_scores, dtype=torch.bool)
+                kept.scatter_(1, torch.topk(group_scores, moe.topk_groups, dim=-1).indices, True)
+                choice = choice.masked_fill(~kept.repeat_interleave(groups.shape[-1], dim=1), float("-inf"))
+            ids = torch.topk(choice, self.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if moe.routed_scaling != 1.0:
+            weights = weights * moe.routed_scaling
         return weights.to(x.dtype), ids
 
     def forward(
@@ -87,8 +123,10 @@ class SparseMoE(nn.Module):
             rows, slots = torch.where(ids == e)
             y = self.experts[e](x[rows]) * weights[rows, slots, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        if self.shared_expert is not None:
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out if residual is None else residual + out
 
 

@@ -19,7 +19,7 @@ def layer_typed(hf_config: Any) -> bool:
     return bool(set(params) & set(LAYER_TYPES))
 
 
-def _rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
     """The rope dict of a config from transformers 5 (`rope_parameters`) or 4 (`rope_scaling`);
     `layer_type` picks one of a layer-typed config's dicts."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -35,7 +35,7 @@ def _rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
 def inv_frequencies(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """`(inv_freq [D/2], attention_scaling)` for the rope type the config names (for `layer_type`'s
     layers where the config is layer-typed)."""
-    params = _rope_parameters(hf_config, layer_type)
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = float(params.get("rope_theta", 10000.0))

@@ -68,13 +68,15 @@ class ModelRunner:
         cfg = model.config
         param = model.model.norm.weight  # dense in every model, in the model's dtype (the embedding
         # may have no parameter: `GGUFEmbedding`)
+        mla = cfg.mla  # multi-head latent attention caches one latent per token and layer
         return KVCacheSpec(
             num_layers=cfg.num_layers,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
+            num_kv_heads=1 if mla else cfg.num_kv_heads,
+            head_dim=mla.latent_dim if mla else cfg.head_dim,
             block_size=block_size,
             dtype=kv_dtype or param.dtype,
             device=param.device,
+            latent_rank=mla.kv_lora_rank if mla else 0,
         )
 
     @classmethod

@@ -92,7 +92,7 @@ class NativeDecoderStack:
         `NativeMoE`, all of one top k), RMSNorm weights of one dtype (bf16 or fp32) and eps,
         head_dim a multiple of 32 (at most `MAX_HEAD_DIM`), and the kernels built."""
         layers = getattr(getattr(model, "model", None), "layers", None)
-        if not layers:
+        if not layers or getattr(model.config, "mla", None) is not None:  # latent attention: the Python loop
             return None
         norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
                                                  layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]

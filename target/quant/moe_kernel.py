@@ -68,10 +68,13 @@ class NativeMoE:
     @staticmethod
     def fits(block: nn.Module) -> bool:
         """Every expert (and the shared one) a fused gate|up `QLinear` and a down `QLinear`, the
-        router dense in bf16 or fp32 and the hidden size a multiple of 32."""
+        router dense in bf16 or fp32 routing as the kernel does (`MoEConfig.plain_routing`; a
+        shared expert with its gate), and the hidden size a multiple of 32."""
         mlps = [*block.experts, *([block.shared_expert] if block.shared_expert is not None else [])]
         return (
-            all(isinstance(getattr(m, "gate_up_proj", None), QLinear) and isinstance(m.down_proj, QLinear) for m in mlps)
+            block.routing.plain_routing
+            and (block.shared_expert is None or block.shared_expert_gate is not None)
+            and all(isinstance(getattr(m, "gate_up_proj", None), QLinear) and isinstance(m.down_proj, QLinear) for m in mlps)
             and type(block.gate) is not QLinear
             and block.gate.weight.dtype in DENSE
             and block.gate.weight.shape[1] % kernel_abi.GROUP == 0

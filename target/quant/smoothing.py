@@ -107,15 +107,16 @@ def smooth_layer(model: nn.Module, i: int, stats: dict[str, torch.Tensor], alpha
     """Fold SmoothQuant into decoder layer `i` from its linears' input maxima `stats` (named as
     in `model`); touches nothing outside the layer, so layers can be smoothed one at a time."""
     cfg = model.config
-    group = cfg.num_heads // cfg.num_kv_heads
     layer = model.model.layers[i]
     prefix = f"model.layers.{i}."
     attn, mlp = layer.self_attn, layer.mlp
     # an MoE block's experts share one norm with a router that must see the unscaled input: its
-    # MLP side is left unsmoothed
+    # MLP side is left unsmoothed; latent attention (MLA) has no v_proj to fold o_proj's factors
+    # into, and its attention is left unsmoothed too
     dense = not isinstance(mlp, SparseMoE)
+    gqa = cfg.mla is None
     for norm, linears, name in (
-        (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj"),
+        *([(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], "self_attn.q_proj")] if gqa else []),
         *([(layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp.gate_proj")] if dense else []),
     ):
         s = _factors(linears, stats[prefix + name], alpha)
@@ -126,6 +127,9 @@ def smooth_layer(model: nn.Module, i: int, stats: dict[str, torch.Tensor], alpha
         s = _factors([mlp.down_proj], stats[prefix + "mlp.down_proj"], alpha)
         _scale_(mlp.up_proj.weight, (1 / s)[:, None])
         _scale_(mlp.down_proj.weight, s)
+    if not gqa:
+        return
+    group = cfg.num_heads // cfg.num_kv_heads
     s = _factors([attn.o_proj], stats[prefix + "self_attn.o_proj"], alpha)
     s = s.view(cfg.num_kv_heads, group, cfg.head_dim).amax(1)  # [Hkv, D]: one per v channel
     _scale_(attn.v_proj.weight, (1 / s).reshape(-1, 1))

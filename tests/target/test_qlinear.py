@@ -112,7 +112,7 @@ def test_every_level_computes_bitwise_the_same(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rmsnorm_fused_into_the_kernel_matches_norm_then_linear(dtype, simd_level):
-    from specdec.target.model import RMSNorm, normed
+    from specdec.target.layers import RMSNorm, normed
 
     q, _ = _linear(True)
     norm = RMSNorm(96, 1e-6).to(dtype)
@@ -127,7 +127,7 @@ def test_rmsnorm_fused_into_the_kernel_matches_norm_then_linear(dtype, simd_leve
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_glu_fused_into_the_kernel_matches_silu_mul_then_linear(dtype, simd_level):
-    from specdec.target.model import plus_linear
+    from specdec.target.layers import plus_linear
 
     q, _ = _linear(True)
     gate_up = (torch.randn(7, 2 * 96, generator=torch.Generator().manual_seed(8)) * 4).to(dtype)

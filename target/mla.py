@@ -1,0 +1,153 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), the attention block a config with `mla` gets in
+place of `model.Attention` (GQA).
+
+Per token the layer caches one latent: `c = norm(W_DKV x)` (`kv_lora_rank` wide) and the rotated
+key part `k_rope` (`qk_rope_head_dim`, shared by every head), `latent_dim` values in all, in a
+latent cache (`KVCacheSpec.latent_rank`). Head h's key is `[W_UK[h] c | k_rope]` and its value
+`W_UV[h] c`, where `kv_b_proj` holds `W_UK[h] | W_UV[h]` for every head. Two ways to attend, equal
+in exact arithmetic:
+
+- naive (prefill chunks): decompress the latents of every block the step reads through
+  `kv_b_proj` into per-head keys and values, attend as GQA does;
+- absorbed (decode and verify windows): fold `W_UK` into the query, `q_lat[h] = q_nope[h] W_UK[h]`,
+  attend with `[q_lat | q_rope]` over the latents themselves as keys (one head shared by all query
+  heads, MQA) and their first `kv_lora_rank` values as values, then apply `W_UV` to each head's
+  result. Nothing is decompressed; the cache is read once for all heads.
+
+A step whose longest window has more than `NAIVE_MIN_QUERY_LEN` - 1 rows takes the naive path,
+others the absorbed one (the C kernel `cpu_attention.latent_attend` where it runs, else the torch
+reference). `kv_b_proj` stays dense (`keep_dense`): the absorbed path reads it as two batched
+matrices, not as a linear.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.cache import AttentionMetadata, PagedKVCache, compact_blocks, cpu_attention, paged_attention
+from specdec.cache import paged_attention_ref, write_latent
+from specdec.target.config import ModelConfig
+from specdec.target.layers import RMSNorm, plus_linear
+from specdec.target.rope import Rotation, apply_rope
+
+# Windows of at least this many rows (prefill chunks) decompress the latents; shorter ones
+# (decode, verify) attend over them absorbed. At DeepSeek-V2-Lite's shapes the absorbed path does
+# fewer operations up to ~170 rows a sequence, but the naive path's SDPA runs blocked.
+NAIVE_MIN_QUERY_LEN = 64
+NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm and kv_a_layernorm (transformers' default, not the config's)
+
+
+class DenseLinear(nn.Linear):
+    """A linear the quantizers leave dense (`keep_dense`)."""
+
+    keep_dense = True
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
+        super().__init__()
+        mla = config.mla
+        assert mla is not None
+        self.mla, self.num_heads = mla, config.num_heads
+        self.scale = config.query_scale if config.query_scale is not None else mla.qk_head_dim**-0.5
+        hidden, heads, bias = config.hidden_size, config.num_heads, config.attention_bias
+        if mla.q_lora_rank:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, NORM_EPS)
+        self.kv_b_proj = DenseLinear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
+
+    c_kernel_fits = True  # nothing here the C attention leaves to the reference
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rotation: Rotation,
+        kv_cache: PagedKVCache,
+        layer_idx: int,
+        meta: AttentionMetadata,
+        norm: RMSNorm | None = None,  # applied to x first
+        residual: torch.Tensor | None = None,  # [T, hidden]: returned plus the attention output
+    ) -> torch.Tensor:  # [T, hidden]
+        mla, t, heads = self.mla, x.shape[0], self.num_heads
+        x = x if norm is None else norm(x)
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rope = q.view(t, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        if mla.rope_interleave:  # pairs (0, 1), (2, 3), ... -> halves, for queries and keys alike
+            q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
+        cos, sin = rotation.cos_sin
+        q_rope = apply_rope(q_rope, cos, sin)  # [T, H, R]
+        latent = torch.cat([self.kv_a_layernorm(c), apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)], dim=-1)
+        k_cache, v_cache = kv_cache.layer(layer_idx)  # latents [N, S, 1, rank + R] and their first rank dims
+        write_latent(latent.unsqueeze(1), k_cache, meta.slot_mapping, kv_cache.k_scale)
+        if meta.max_query_len >= NAIVE_MIN_QUERY_LEN:
+            out = self.naive(q_nope, q_rope, k_cache, kv_cache.k_scale, meta)
+        else:
+            out = self.absorbed(q_nope, q_rope, k_cache, v_cache, kv_cache.k_scale, meta)
+        return plus_linear(residual, self.o_proj, out.reshape(t, heads * mla.v_head_dim))
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(W_UK [H, nope, rank], W_UV [H, v, rank])`: views of `kv_b_proj`'s weight."""
+        mla = self.mla
+        w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        return w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim :]
+
+    def absorbed(
+        self,
+        q_nope: torch.Tensor,  # [T, H, nope]
+        q_rope: torch.Tensor,  # [T, H, R], rotated
+        k_cache: torch.Tensor,  # [N, S, 1, rank + R]
+        v_cache: torch.Tensor,  # [N, S, 1, rank]: a view of k_cache
+        kv_scale: float,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, v]
+        """Attention over the latents as keys and values, `W_UK` folded into the queries and `W_UV`
+        applied after."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        query = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + R]
+        if cpu_attention.supports_latent(meta, query, k_cache, kv_scale):
+            out = cpu_attention.latent_attend(query, k_cache, self.mla.kv_lora_rank, meta, self.scale)
+        else:
+            out = paged_attention(query, k_cache, v_cache, meta, self.scale, kv_scale, kv_scale)  # [T, H, rank]
+        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+
+    def naive(
+        self,
+        q_nope: torch.Tensor,  # [T, H, nope]
+        q_rope: torch.Tensor,  # [T, H, R], rotated
+        k_cache: torch.Tensor,  # [N, S, 1, rank + R]
+        kv_scale: float,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, v]
+        """Per-head keys and values decompressed from the latents of every block the step reads
+        (a cached prefix's too), then GQA-style attention over them."""
+        mla, heads = self.mla, self.num_heads
+        block_ids, compact = compact_blocks(meta)
+        latents = k_cache.index_select(0, block_ids.to(k_cache.device)).to(q_nope.dtype)  # [n, S, 1, rank + R]
+        if kv_scale != 1.0:
+            latents = latents * kv_scale
+        n, s = latents.shape[:2]
+        c, k_rope = latents.view(n * s, mla.latent_dim).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c).view(n * s, heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        k_nope, values = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        keys = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
+        query = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
+        return paged_attention_ref(query, keys.view(n, s, heads, mla.qk_head_dim),
+                                   values.reshape(n, s, heads, mla.v_head_dim), compact, self.scale)
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """`[..., x0, x1, x2, x3, ...]` -> `[..., x0, x2, ..., x1, x3, ...]`: DeepSeek's interleaved
+    rope pairs as the rotate-half layout `apply_rope` rotates (the pair (x0, x1) becomes the pair
+    of lanes 0 and R/2). Applied to queries and keys alike, it leaves every q . k unchanged."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
