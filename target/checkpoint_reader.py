@@ -130,7 +130,14 @@ class GGUFCheckpoint:
         to_hf = _saved_names(folder, lambda: gguf_to_hf_names(hf_config, self._processor))
         self._gguf_name = {to_hf[g]: g for g in self.file.tensors if g in to_hf}
         self._expert: dict[str, tuple[str, int]] = {}  # per-expert name -> (stacked tensor, expert)
+        self._kv_b: dict[str, tuple[str, str]] = {}  # kv_b_proj -> (attn_k_b, attn_v_b) where split
         for gguf_name in self.file.tensors:
+            if m := _DEEPSEEK2.fullmatch(gguf_name):  # what gguf-py's name table does not map
+                layer = f"model.layers.{m['layer']}"
+                if m["kind"] == "exp_probs_b.bias":
+                    self._gguf_name[f"{layer}.mlp.gate.e_score_correction_bias"] = gguf_name
+                elif m["kind"] == "attn_k_b.weight":
+                    self._kv_b[f"{layer}.self_attn.kv_b_proj.weight"] = (gguf_name, f"blk.{m['layer']}.attn_v_b.weight")
             if gguf_name not in to_hf and (m := _DENSE_FFN.fullmatch(gguf_name)):  # a dense layer of an MoE arch
                 self._gguf_name[f"model.layers.{m['layer']}.mlp.{m['proj']}_proj.weight"] = gguf_name
             if m := _STACKED_EXPERTS.fullmatch(gguf_name):
@@ -141,7 +148,7 @@ class GGUFCheckpoint:
                     self._expert[name] = (gguf_name, e)
 
     def names(self) -> list[str]:
-        return list(self._gguf_name)
+        return [*self._gguf_name, *self._kv_b]
 
     def rows_in_place(self, name: str) -> str | None:
         """The GGUF name of tensor `name` when its rows can be used as stored (an embedding left
@@ -155,6 +162,9 @@ class GGUFCheckpoint:
         self.file.data.release_pages()
 
     def read(self, name: str) -> torch.Tensor:
+        if name in self._kv_b:  # W_UK [H, rank, nope] and W_UV [H, v, rank] back into kv_b_proj
+            k_b, v_b = (torch.from_numpy(np.array(self.file.dequantize(n))).float() for n in self._kv_b[name])
+            return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1])
         if name in self._expert:  # one expert of a stacked tensor: only its blocks are dequantized
             gguf_name, e = self._expert[name]
             return torch.from_numpy(self.file.dequantize_slice(gguf_name, e)).float()
@@ -183,11 +193,15 @@ def gguf_to_hf_names(hf_config, processor) -> dict[str, str]:
         skeleton = LlamaForCausalLM(ModelConfig.from_hf(hf_config))
     build = gguf.get_tensor_name_map
     gguf.get_tensor_name_map = functools.cache(build)  # the function imports it from gguf per call
-    model_type = "llama" if hf_config.model_type == "mixtral" else hf_config.model_type  # llama.cpp's arch
+    model_type = _GGUF_ARCH.get(hf_config.model_type, hf_config.model_type)  # llama.cpp's arch
     try:
         return get_gguf_hf_weights_map(skeleton, processor, model_type, hf_config.num_hidden_layers)
     finally:
         gguf.get_tensor_name_map = build
+
+
+# transformers' model types llama.cpp writes under another architecture name
+_GGUF_ARCH = {"mixtral": "llama", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 
 
 def _saved_names(folder: Path, compute) -> dict[str, str]:
@@ -235,6 +249,8 @@ _IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower."
 
 # llama.cpp stacks an MoE layer's experts: `blk.{i}.ffn_{gate,up,down}_exps.weight [E, out, in]`
 _STACKED_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+# DeepSeek's router bias, and the per-head halves of a split kv_b (llama.cpp #12801)
+_DEEPSEEK2 = re.compile(r"blk\.(?P<layer>\d+)\.(?P<kind>exp_probs_b\.bias|attn_k_b\.weight)")
 # ... and its dense layers' MLP as in dense models (gguf-py's MoE tables do not list them)
 _DENSE_FFN = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)\.weight")
 # Mixtral's checkpoints name its sparse MLP `block_sparse_moe` and an expert's gate / up / down

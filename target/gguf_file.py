@@ -141,11 +141,18 @@ class GGUFFile:
         }
         return cls(path, metadata, tensors, data, metadata_end)
 
-    def write_metadata_only(self, out: str | Path) -> None:
+    def write_metadata_only(self, out: str | Path, architecture: str | None = None) -> None:
         """Write a GGUF file holding this file's metadata and no tensors (a few MB: what
-        transformers reads a tokenizer from, where the file itself is in parts)."""
+        transformers reads a tokenizer from, where the file itself is in parts); with
+        `architecture`, its `general.architecture` value replaced by that one (transformers reads
+        tokenizers only of the architectures it loads; the tokenizer keys do not depend on it)."""
         header = bytearray(self.data.slice(0, self.metadata_end))
         struct.pack_into("<Q", header, 8, 0)  # tensor count
+        if architecture is not None:
+            old = self.metadata["general.architecture"].encode()
+            key = _gguf_string(b"general.architecture") + struct.pack("<I", 8)  # 8: GGUF's string type
+            at = header.index(key + _gguf_string(old)) + len(key)
+            header[at : at + len(_gguf_string(old))] = _gguf_string(architecture.encode())
         Path(out).write_bytes(bytes(header))
 
     def raw(self, name: str) -> np.ndarray:
@@ -217,3 +224,8 @@ def _nbytes(ggml_type: int, elements: int, name: str) -> int:
     except (ValueError, KeyError):
         raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, unknown to the gguf package") from None
     return elements // block * size
+
+
+def _gguf_string(b: bytes) -> bytes:
+    """A GGUF string as stored: its byte length (u64) then the bytes."""
+    return struct.pack("<Q", len(b)) + b

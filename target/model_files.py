@@ -218,7 +218,11 @@ def _describe_into(gguf: GGUFFile, folder: Path, progress: bool, name: str | Non
     tokenizer_type = config.model_type if config.model_type in TOKENIZER_MAPPING_NAMES else None
     # transformers reads the tokenizer from a file: the metadata alone (a few MB) is enough
     header = folder / "metadata.gguf"
-    gguf.write_metadata_only(header)
+    # transformers reads GGUF tokenizers of the architectures it loads only; DeepSeek's is a plain one
+    tokenizer_arch = _TOKENIZER_STAND_IN.get(gguf.metadata["general.architecture"])
+    if tokenizer_arch is not None:
+        tokenizer_type = None
+    gguf.write_metadata_only(header, tokenizer_arch)
     try:
         with _transformers_progress(progress):
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=header.name, tokenizer_type=tokenizer_type)
@@ -243,6 +247,8 @@ def gguf_config(gguf: GGUFFile):
 
     meta = gguf.metadata
     arch = meta["general.architecture"]
+    if arch == "deepseek2":  # not in transformers' GGUF tables
+        return _deepseek2_config(gguf)
     # llama.cpp writes Mistral as llama; transformers tells them apart by general.name alone
     updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else arch
     updated = _GGUF_MOE_ARCHS.get(arch, updated)
@@ -287,6 +293,67 @@ _GGUF_MOE_ARCHS = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # expert widths in a GGUF's metadata -> config fields (transformers' table reads neither)
 _GGUF_MOE_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
                     "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+
+
+# architectures transformers reads no GGUF tokenizer of -> one whose tokenizer reading serves
+_TOKENIZER_STAND_IN = {"deepseek2": "qwen2"}
+
+
+def _deepseek2_config(gguf: GGUFFile):
+    """The transformers config of a llama.cpp `deepseek2` GGUF (DeepSeek-V2, V2-Lite, V3 and their
+    relatives: multi-head latent attention over a mixture of experts), from the keys its converter
+    writes. V3 is told apart by its sigmoid gating (`expert_gating_func` 2). A GGUF whose `kv_b`
+    is split (`attn_k_b` / `attn_v_b`, llama.cpp #12801) keeps the per-head key and value widths in
+    `key_length_mla` / `value_length_mla`. YaRN's `mscale` and `mscale_all_dim` are both read from
+    `rope.scaling.yarn_log_multiplier` (0.1 * mscale_all_dim): DeepSeek's configs set them equal."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    meta = gguf.metadata
+
+    def get(key, default=None):
+        value = meta.get(f"deepseek2.{key}", default)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    rope = get("rope.dimension_count")
+    qk = get("attention.key_length_mla") or get("attention.key_length")
+    v3 = get("expert_gating_func") == 2
+    config = dict(
+        vocab_size=_count(meta["tokenizer.ggml.tokens"]), hidden_size=get("embedding_length"),
+        intermediate_size=get("feed_forward_length"), moe_intermediate_size=get("expert_feed_forward_length"),
+        num_hidden_layers=get("block_count"), num_attention_heads=get("attention.head_count"),
+        num_key_value_heads=get("attention.head_count"), n_routed_experts=get("expert_count"),
+        num_experts_per_tok=get("expert_used_count"), n_shared_experts=get("expert_shared_count", 0),
+        first_k_dense_replace=get("leading_dense_block_count", 0), routed_scaling_factor=float(get("expert_weights_scale", 1.0)),
+        q_lora_rank=get("attention.q_lora_rank") or None, kv_lora_rank=get("attention.kv_lora_rank"),
+        qk_rope_head_dim=rope, qk_nope_head_dim=qk - rope,
+        v_head_dim=get("attention.value_length_mla") or get("attention.value_length"),
+        max_position_embeddings=get("context_length"), rms_norm_eps=get("attention.layer_norm_rms_epsilon"),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+    rope_parameters = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}
+    if get("rope.scaling.type") == "yarn":
+        mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope_parameters.update(rope_type="yarn", factor=float(get("rope.scaling.factor")), mscale=mscale,
+                               mscale_all_dim=mscale, beta_fast=32.0, beta_slow=1.0,
+                               original_max_position_embeddings=get("rope.scaling.original_context_length"))
+    config["rope_parameters"] = rope_parameters
+    if v3:
+        config.update(norm_topk_prob=bool(get("expert_weights_norm", False)), n_group=get("expert_group_count", 1),
+                      topk_group=get("expert_group_used_count", 1))
+        hf_config = DeepseekV3Config(**config)
+    else:
+        groups = get("expert_group_count", 1)
+        if groups > 1:
+            config.update(topk_method="group_limited_greedy", n_group=groups, topk_group=get("expert_group_used_count"))
+        hf_config = DeepseekV2Config(**config)
+    hf_config.architectures = ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"]
+    return hf_config
+
+
+def _count(value) -> int:
+    """An array's length: `GGUFFile.metadata` reads long arrays (the vocabulary) as their length."""
+    return value if isinstance(value, int) else len(value)
 
 
 def _link_weights(folder: Path, gguf_file: Path) -> None:

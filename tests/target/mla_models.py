@@ -137,11 +137,10 @@ def write_gguf(hf_model, path, tokenizer, split_kv_b: bool = False) -> None:
     writer.add_expert_weights_scale(cfg.routed_scaling_factor)
     if v3:
         writer.add_expert_weights_norm(cfg.norm_topk_prob)
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if v3 or cfg.topk_method == "group_limited_greedy":
         writer.add_expert_group_count(cfg.n_group)
         writer.add_expert_group_used_count(cfg.topk_group)
-    else:
-        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
     add_gguf_tokenizer(writer, tokenizer)
     writer.add_tokenizer_pre("qwen2")
     for name, values in gguf_tensors(hf_model, split_kv_b).items():

@@ -227,3 +227,24 @@ def test_bf16_speculation_on_the_c_kernel_equals_target_only(variant, monkeypatc
         outs[proposer] = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
     assert max(calls) > len(PROMPTS)  # verify windows of several rows ran on the kernel
     assert outs["draft"] == outs["none"]
+
+
+@pytest.mark.parametrize("variant, split_kv_b", [("v2", False), ("v3", True), ("v2-grouped", True)])
+def test_a_deepseek2_gguf_loads_with_its_hf_folders_logits(tmp_path, variant, split_kv_b):
+    """A tiny `deepseek2` GGUF (llama.cpp's names and keys; `kv_b` whole, or split into `attn_k_b` /
+    `attn_v_b` as llama.cpp's newer converter writes it; V3's router bias as `exp_probs_b`) loads
+    with the logits of the transformers model it was written from."""
+    from specdec.target.model_files import resolve_model
+    from specdec.target.model_weights import load_model
+    from tests.target.conftest import build_tiny_tokenizer
+    from tests.target.mla_models import write_gguf
+
+    tokenizer = build_tiny_tokenizer()
+    hf = mla_hf_model(variant, vocab_size=len(tokenizer))
+    path = tmp_path / f"tiny-{variant}.gguf"
+    write_gguf(hf, path, tokenizer, split_kv_b=split_kv_b)
+    model = load_model(resolve_model(str(path), progress=False), torch.float32)
+    assert model.config.mla == ModelConfig.from_hf(hf.config).mla and model.config.moe == ModelConfig.from_hf(hf.config).moe
+    ids = list(range(3, 30))
+    _, _, (logits,) = _prefill(model, [ids])
+    assert (logits - _hf_logits(hf, ids)).abs().max().item() < TOL
