@@ -41,7 +41,7 @@ struct specdec_moe {
     const struct specdec_linear *gate_up;     /* [E]: expert e's gate | up, [2 I, H] */
     const struct specdec_linear *down;        /* [E]: expert e's down, [H, I] */
     const struct specdec_linear *shared_gate_up, *shared_down; /* NULL: no shared expert */
-    const void *shared_gate;                  /* [H], router's dtype; with a shared expert */
+    const void *shared_gate;                  /* [H], router's dtype; NULL: an ungated shared expert */
     int64_t num_experts, top_k, hidden, router_bf16, norm_topk;
 };
 

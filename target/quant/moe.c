@@ -6,7 +6,8 @@
  *   p       = softmax(xn @ router^T)                  fp32 [T, E], per row
  *   ids, w  = top k of p (renormalized: norm_topk)    ties to the lower expert id
  *   out[r]  = sum over r's experts e, in ascending e: w * down_e(silu(gate_e) * up_e)(xn[r])
- *             + sigmoid(xn[r] . shared_gate) * shared(xn[r])   (Qwen2-MoE's shared expert)
+ *             + sigmoid(xn[r] . shared_gate) * shared(xn[r])   (Qwen2-MoE's shared expert;
+ *                                                               DeepSeek's: no gate, times 1)
  *   y       = residual + out                          rounded as qgemm's residual add
  *
  * The rows are grouped by expert: each chosen expert runs gate|up and down once over just its
@@ -154,7 +155,7 @@ static int check_block(const struct specdec_moe *e) {
         e->top_k > e->num_experts || e->hidden <= 0 || e->hidden % SPECDEC_GROUP)
         return 0;
     const int shared = e->shared_gate_up != NULL;
-    if (shared != (e->shared_down != NULL) || shared != (e->shared_gate != NULL)) return 0;
+    if (shared != (e->shared_down != NULL) || (!shared && e->shared_gate != NULL)) return 0;
     for (int64_t i = 0; i < e->num_experts + shared; i++) {
         const struct specdec_linear *gu = i < e->num_experts ? &e->gate_up[i] : e->shared_gate_up;
         const struct specdec_linear *dn = i < e->num_experts ? &e->down[i] : e->shared_down;
@@ -204,7 +205,8 @@ int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e,
     if (rc == SPECDEC_OK && e->shared_gate_up) {
         rc = run_expert(xn, m, e->shared_gate_up, e->shared_down, gu, rows_y, threads);
         for (int64_t r = 0; r < m && rc == SPECDEC_OK; r++) {
-            const float g = 1.0f / (1.0f + expf(-dot(xn + r * h, e->shared_gate, (int)e->router_bf16, h)));
+            const float g = e->shared_gate ? 1.0f / (1.0f + expf(-dot(xn + r * h, e->shared_gate, (int)e->router_bf16, h)))
+                                           : 1.0f; /* DeepSeek's shared experts: ungated */
             add_scaled(acc + r * h, rows_y + r * h, g, h);
         }
     }

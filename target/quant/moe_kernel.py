@@ -56,11 +56,12 @@ class NativeMoE:
         )
         if block.shared_expert is not None:
             self.shared = (self._linear(block.shared_expert.gate_up_proj), self._linear(block.shared_expert.down_proj))
-            gate = block.shared_expert_gate.weight
-            check_tensor("shared_expert_gate", gate, (router.dtype,), (1, self.hidden))
-            self._refs.append(gate)
             self.table.shared_gate_up, self.table.shared_down = (ctypes.pointer(s) for s in self.shared)
-            self.table.shared_gate = gate.data_ptr()
+            if block.shared_expert_gate is not None:  # Qwen2-MoE; DeepSeek's shared experts are ungated
+                gate = block.shared_expert_gate.weight
+                check_tensor("shared_expert_gate", gate, (router.dtype,), (1, self.hidden))
+                self._refs.append(gate)
+                self.table.shared_gate = gate.data_ptr()
 
     def _linear(self, linear: QLinear) -> kernel_abi.Linear:
         return linear_descriptor(linear, self._refs)
@@ -68,12 +69,11 @@ class NativeMoE:
     @staticmethod
     def fits(block: nn.Module) -> bool:
         """Every expert (and the shared one) a fused gate|up `QLinear` and a down `QLinear`, the
-        router dense in bf16 or fp32 routing as the kernel does (`MoEConfig.plain_routing`; a
-        shared expert with its gate), and the hidden size a multiple of 32."""
+        router dense in bf16 or fp32 routing as the kernel does (`MoEConfig.plain_routing`), and
+        the hidden size a multiple of 32."""
         mlps = [*block.experts, *([block.shared_expert] if block.shared_expert is not None else [])]
         return (
             block.routing.plain_routing
-            and (block.shared_expert is None or block.shared_expert_gate is not None)
             and all(isinstance(getattr(m, "gate_up_proj", None), QLinear) and isinstance(m.down_proj, QLinear) for m in mlps)
             and type(block.gate) is not QLinear
             and block.gate.weight.dtype in DENSE

@@ -248,3 +248,31 @@ def test_a_deepseek2_gguf_loads_with_its_hf_folders_logits(tmp_path, variant, sp
     ids = list(range(3, 30))
     _, _, (logits,) = _prefill(model, [ids])
     assert (logits - _hf_logits(hf, ids)).abs().max().item() < TOL
+
+
+@pytest.mark.skipif(cpu_attention.load_attention() is None, reason="no C kernels")
+def test_deepseek_v2_experts_and_ungated_shared_experts_run_on_the_expert_kernel():
+    """V2's plain routing (softmax, top k, scale 1) with its ungated shared experts runs on the C
+    expert kernel: a row's result is bitwise its one-row call, and the block is close to its torch
+    forward on the same quantized experts; V3's routing keeps the torch block."""
+    from specdec.target.quant.convert import prepare_quantized, quantize_model
+    from specdec.target.quant.moe_kernel import NativeMoE
+
+    def quantized(variant):
+        model = from_hf(mla_hf_model(variant)).to(torch.bfloat16)
+        quantize_model(model, "w4a8", progress=False)
+        prepare_quantized(model)
+        ModelRunner.build(model, 4, num_blocks=8)  # gives the blocks their kernels
+        return model
+
+    block = quantized("v2").model.layers[1].mlp
+    assert isinstance(block.kernel, NativeMoE) and block.shared_expert_gate is None
+    x, residual = torch.randn(8, 64).bfloat16(), torch.randn(8, 64).bfloat16()
+    singles = [block(x[i : i + 1], None, residual[i : i + 1]) for i in range(8)]
+    out = block(x, None, residual)
+    assert torch.equal(out, torch.cat(singles))
+    kernel, block.kernel = block.kernel, None
+    torch_out = block(x, None, residual)
+    block.kernel = kernel
+    assert (out.float() - torch_out.float()).abs().max().item() < 0.05 * torch_out.float().abs().max().item()
+    assert quantized("v3").model.layers[1].mlp.kernel is None
