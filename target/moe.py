@@ -49,11 +49,12 @@ class Router(nn.Linear):
         super().__init__(hidden, num_experts, bias=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if score_bias else None
 
-    def _apply(self, fn, *args, **kwargs):  # the bias stays fp32 (it is compared, never multiplied in)
+    def _apply(self, fn, *args, **kwargs):  # the bias stays fp32, unrounded (it decides near-ties)
         bias = self.e_score_correction_bias
         out = super()._apply(fn, *args, **kwargs)
         if bias is not None and self.e_score_correction_bias.dtype != torch.float32:
-            self.e_score_correction_bias = nn.Parameter(self.e_score_correction_bias.float(), requires_grad=False)
+            moved = bias.detach().to(device=self.e_score_correction_bias.device, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(moved, requires_grad=False)
         return out
 
 

@@ -78,10 +78,11 @@ def test_siblings_start_on_the_cached_prompt(server):
 
 
 def test_disconnect_aborts_every_choice(serve, make_engine):
-    # Each step paced (5 ms): the tiny engine could otherwise finish all 3 x 400 tokens before a
-    # client starved of CPU reads its first line, and the slots would be free already.
+    # Each step paced (20 ms: 8 s for 400 tokens): the tiny engine could otherwise finish all 3 x 400
+    # tokens before a client starved of CPU reads its first line, and the slots would be free
+    # already (5 ms was not enough while a compiler ran beside the tests).
     engine = make_engine()
-    pace_steps(engine, 0.005)
+    pace_steps(engine, 0.02)
     body = chat_body("a long story", n=3, max_tokens=400, ignore_eos=True, stream=True)
     with serve(engine) as server:
         with httpx.stream("POST", server.url + CHAT, json=body, timeout=30) as response:

@@ -24,6 +24,23 @@ def test_the_synthetic_checkpoint_has_qwen3_moe_layers(tmp_path):
     assert model.config.qk_norm and not model.config.tie_word_embeddings
 
 
+def test_the_synthetic_deepseek_checkpoint_has_v2_lite_layers(tmp_path):
+    """`--shape deepseek-v2-lite`: latent attention, a dense first layer, then experts with
+    ungated shared experts (a small copy of the shape)."""
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    small = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                 num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
+                 rope_scaling=None)
+    folder = moe_synthetic.write_checkpoint(tmp_path / "hf", 3, tokenizer_dir, base=moe_synthetic.DEEPSEEK_V2_LITE, **small)
+    model = load_model(folder, torch.float32)
+    layers = model.model.layers
+    assert not isinstance(layers[0].mlp, SparseMoE) and all(isinstance(layer.mlp, SparseMoE) for layer in layers[1:])
+    assert model.config.mla.latent_dim == 48 and layers[1].mlp.shared_expert_gate is None
+    assert layers[2].mlp.shared_expert.down_proj.weight.shape == (64, 64)
+
+
 def test_the_table_puts_each_engine_beside_the_other():
     forwards = {r: 0.01 * (1 + r / 4) for r in moe_bench.ROWS}
     ours = {"tg128": 30.0, "pp512": 300.0, "forward_s": forwards, "experts": {r: 8.0 + r for r in moe_bench.ROWS}}
