@@ -6,7 +6,10 @@ untied head), or with `--shape deepseek-v2-lite` DeepSeek-V2-Lite's (multi-head 
 16 heads, latent rank 512 + rope 64, no q low-rank; a dense first layer of width 10,944, then 64
 experts of width 1,408, top 6, and 2 shared experts; its vocabulary of 102,400 ids is Qwen's
 151,936 here, the tokenizer the converter is given), with fewer layers (`--layers`, 4 by default:
-the machine's memory and disk) and random weights, written as an HF folder (bf16 safetensors, one shard a layer, written tensor by tensor)
+the machine's memory and disk; below 26 layers a V2-Lite's queries take DeepSeek-V2's low-rank
+projection, 1536, as llama.cpp reads a `deepseek2` GGUF without `q_lora_rank` only at V2-Lite's
+26 or 27 layers) and random weights, written as an HF folder (bf16 safetensors, one shard a
+layer, written tensor by tensor)
 with the default pair's tokenizer (Qwen's BPE, the vocabulary Qwen3 shares), then turned into a
 GGUF by llama.cpp's own `convert_hf_to_gguf.py` and `llama-quantize` (both from the tree
 `shared/tools/build-llama-cpp.sh` builds: `--llama-cpp`), so specdec and `llama-bench` run the
@@ -86,8 +89,11 @@ def deepseek_layer_tensors(config: dict, i: int, gen: torch.Generator) -> dict[s
     rand = lambda *shape: (torch.randn(*shape, generator=gen) * STD).bfloat16()  # noqa: E731
     ones = lambda n: torch.ones(n).bfloat16()  # noqa: E731
     p = f"model.layers.{i}."
-    out = {p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h),
-           p + "self_attn.q_proj.weight": rand(heads * (nope + rope), h),
+    q_rank = config.get("q_lora_rank")
+    q = ({p + "self_attn.q_a_proj.weight": rand(q_rank, h), p + "self_attn.q_a_layernorm.weight": ones(q_rank),
+          p + "self_attn.q_b_proj.weight": rand(heads * (nope + rope), q_rank)} if q_rank
+         else {p + "self_attn.q_proj.weight": rand(heads * (nope + rope), h)})
+    out = {p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h), **q,
            p + "self_attn.kv_a_proj_with_mqa.weight": rand(rank + rope, h), p + "self_attn.kv_a_layernorm.weight": ones(rank),
            p + "self_attn.kv_b_proj.weight": rand(heads * (nope + v), rank), p + "self_attn.o_proj.weight": rand(h, heads * v)}
     if i < config["first_k_dense_replace"]:
@@ -163,7 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.layers < 1:
         parser.error("--layers must be at least 1")
-    hf = write_checkpoint(args.out / "hf", args.layers, default_tokenizer_dir(), base=SHAPES[args.shape])
+    shape = {}
+    if args.shape == "deepseek-v2-lite" and args.layers not in (26, 27):
+        # llama.cpp takes a deepseek2 GGUF without q_lora_rank for V2-Lite only at 26 or 27 layers
+        # (its `is_lite`) and otherwise asks for the key: the queries go through DeepSeek-V2's
+        # low-rank projection (1536) instead, the one shape that differs
+        shape["q_lora_rank"] = 1536
+        print(f"deepseek-v2-lite with {args.layers} layers: q_lora_rank 1536 (DeepSeek-V2's), which llama.cpp needs "
+              "below 26 layers", file=sys.stderr)
+    hf = write_checkpoint(args.out / "hf", args.layers, default_tokenizer_dir(), base=SHAPES[args.shape], **shape)
     if args.llama_cpp is None:
         print(f"HF checkpoint: {hf}")
         return

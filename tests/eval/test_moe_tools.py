@@ -32,7 +32,7 @@ def test_the_synthetic_deepseek_checkpoint_has_v2_lite_layers(tmp_path):
     small = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
                  num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=32,
                  qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
-                 rope_scaling=None)
+                 rope_scaling=None, q_lora_rank=16)
     folder = moe_synthetic.write_checkpoint(tmp_path / "hf", 3, tokenizer_dir, base=moe_synthetic.DEEPSEEK_V2_LITE, **small)
     model = load_model(folder, torch.float32)
     layers = model.model.layers
