@@ -24,7 +24,7 @@ SOURCE = Path(__file__).with_name("paged_attention.c")
 
 def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
     """The library for `level` (None: the one this machine runs; see `native.simd_kernel`)."""
-    return native.simd_kernel((SOURCE,), ("rope_write_attend", "latent_attend"), level)
+    return native.simd_kernel((SOURCE,), ("rope_write_attend", "latent_attend", "head_matmul"), level)
 
 
 # Longer windows (prefill) go to SDPA: the kernel walks the keys once per query row, which at
@@ -106,6 +106,34 @@ def latent_attend(
     rc = lib.latent_attend(ctypes.byref(a), query.data_ptr(), cache.data_ptr(), value_dim, scale, out.data_ptr(),
                            torch.get_num_threads())
     kernel_abi.raise_for_status(rc, "latent_attend")
+    return out
+
+
+def head_matmul(
+    x: torch.Tensor,  # [T, H, k] bf16 or fp32, contiguous
+    w: torch.Tensor,  # [H, k, n] (transposed False) or [H, n, k] (True) bf16; each head's matrix contiguous
+    transposed: bool,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:  # [T, H, n]
+    """Each row's heads times their own matrices (MLA's `W_UK` before the absorbed attention and
+    `W_UV` after it), fp32 accumulation in a fixed order per row (`paged_attention.c`): a row's
+    result does not depend on the other rows, as a batched GEMM's may."""
+    t, heads, k = x.shape
+    n = w.shape[2] if not transposed else w.shape[1]
+    if x.dtype not in (torch.bfloat16, torch.float32) or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"head_matmul: x must be a contiguous bf16 or fp32 CPU tensor, got {x.dtype} {list(x.shape)}")
+    expected = (heads, k, n) if not transposed else (heads, n, k)
+    if (w.dtype != torch.bfloat16 or tuple(w.shape) != expected or w.stride()[1:] != (expected[2], 1)
+            or w.device.type != "cpu"):
+        raise ValueError(f"head_matmul: w must be bf16 {list(expected)} with contiguous heads, got {w.dtype} "
+                         f"{list(w.shape)} strides {w.stride()}")
+    lib = load_attention()
+    if lib is None:
+        raise RuntimeError(f"the CPU attention kernel cannot run here: {kernel().unavailable_reason()}")
+    out = torch.empty(t, heads, n, dtype=out_dtype)
+    rc = lib.head_matmul(x.data_ptr(), x.dtype == torch.bfloat16, t, heads, k, n, w.data_ptr(), w.stride(0),
+                         int(transposed), out.data_ptr(), out_dtype == torch.bfloat16, torch.get_num_threads())
+    kernel_abi.raise_for_status(rc, "head_matmul")
     return out
 
 

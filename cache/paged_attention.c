@@ -244,3 +244,45 @@ int latent_attend(const struct specdec_attention *a, const uint16_t *q, const ui
     }
     return SPECDEC_OK;
 }
+
+/* MLA's per-head products around the absorbed attention, one head's weights read once for all
+ * the call's rows: out[t][h] = x[t][h] . W[h] with x [T, H, k] and out [T, H, n] (bf16 or fp32 as
+ * the flags say) and W bf16, head h's matrix at w + h * w_head_stride:
+ *   transposed 0: W[h] is [k, n] (rows of n): out[t][h][:] = sum over i ascending of x[t][h][i] * W[h][i][:]
+ *                 (W_UK: q_nope -> the latent query);
+ *   transposed 1: W[h] is [n, k] (rows of k): out[t][h][j] = dot(x[t][h][:], W[h][j][:])  (W_UV).
+ * fp32 throughout, each row's operations in a fixed order: a row's result does not depend on the
+ * other rows. n and k multiples of 16. Returns SPECDEC_OK or SPECDEC_ERR_INVALID_ARGUMENT. */
+int head_matmul(const void *x, int x_bf16, int64_t t, int64_t heads, int64_t k, int64_t n, const uint16_t *w,
+                int64_t w_head_stride, int transposed, void *out, int out_bf16, int threads) {
+    if (!x || !w || !out || t < 0 || heads <= 0 || k <= 0 || n <= 0 || k % 16 || n % 16 || n > SPECDEC_MAX_LATENT_DIM ||
+        w_head_stride < k * n)
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < heads; h++) {
+        const uint16_t *wh = w + h * w_head_stride;
+        float acc[SPECDEC_MAX_LATENT_DIM];
+        for (int64_t r = 0; r < t; r++) {
+            const int64_t xi = (r * heads + h) * k, oi = (r * heads + h) * n;
+            if (!transposed) {
+                for (int64_t j = 0; j < n; j += 16) vf_store(acc + j, vf_zero());
+                for (int64_t i = 0; i < k; i++) {
+                    const vf xv = vf_set1(load_float(x, x_bf16, xi + i));
+                    for (int64_t j = 0; j < n; j += 16)
+                        vf_store(acc + j, vf_fmadd(xv, vf_load_bf16(wh + i * n + j), vf_load(acc + j)));
+                }
+            } else {
+                for (int64_t j = 0; j < n; j++) {
+                    vf dot = vf_zero();
+                    for (int64_t i = 0; i < k; i += 16) dot = vf_fmadd(load_floats(x, x_bf16, xi + i), vf_load_bf16(wh + j * k + i), dot);
+                    acc[j] = vf_reduce_add(dot);
+                }
+            }
+            for (int64_t j = 0; j < n; j += 16) {
+                if (out_bf16) vf_store_bf16((uint16_t *)out + oi + j, vf_load(acc + j));
+                else vf_store((float *)out + oi + j, vf_load(acc + j));
+            }
+        }
+    }
+    return SPECDEC_OK;
+}

@@ -87,6 +87,8 @@ int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t 
                       uint16_t *k_cache, uint16_t *v_cache, float scale, uint16_t *out, int threads);
 int latent_attend(const struct specdec_attention *a, const uint16_t *q, const uint16_t *cache, int64_t dv,
                   float scale, uint16_t *out, int threads);
+int head_matmul(const void *x, int x_bf16, int64_t t, int64_t heads, int64_t k, int64_t n, const uint16_t *w,
+                int64_t w_head_stride, int transposed, void *out, int out_bf16, int threads);
 
 /* target/quant/moe.c (built with qgemm.c) */
 int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e, const void *norm_w, int norm_bf16,

@@ -132,6 +132,8 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "rope_write_attend": (_I, [ctypes.POINTER(Attention), _P, _I64, _P, _P, _F, _P, _I]),
     # a, q, cache, dv, scale, out, threads
     "latent_attend": (_I, [ctypes.POINTER(Attention), _P, _P, _I64, _F, _P, _I]),
+    # x, x_bf16, t, heads, k, n, w, w_head_stride, transposed, out, out_bf16, threads
+    "head_matmul": (_I, [_P, _I, _I64, _I64, _I64, _I64, _P, _I64, _I, _P, _I, _I]),
     # x, x_bf16, m, block, norm_w, norm_bf16, eps, residual, y, expert_ids, threads
     "moe_block": (_I, [_P, _I, _I64, ctypes.POINTER(Moe), _P, _I, _F, _P, _P, _P, _I]),
     # h, num_rows, layers, num_layers, norm_bf16, eps, a, kv, scale, qkv, att, gate_up, expert_ids,

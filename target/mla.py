@@ -15,14 +15,16 @@ in exact arithmetic:
   result. Nothing is decompressed; the cache is read once for all heads.
 
 A step whose longest window has more than `NAIVE_MIN_QUERY_LEN` - 1 rows takes the naive path,
-others the absorbed one (the C kernel `cpu_attention.latent_attend` where it runs, else the torch
-reference). `kv_b_proj` stays dense (`keep_dense`): the absorbed path reads it as two batched
-matrices, not as a linear.
+others the absorbed one: in C where it runs (`cpu_attention.head_matmul` for `W_UK`, `latent_attend`,
+`head_matmul` for `W_UV`: every row computed alone, in a fixed order), else in torch (products in
+fp32). `kv_b_proj` stays dense (`keep_dense`): the absorbed path reads it as per-head matrices,
+not as a linear.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdec.cache import AttentionMetadata, PagedKVCache, compact_blocks, cpu_attention, paged_attention
@@ -113,13 +115,16 @@ class LatentAttention(nn.Module):
         """Attention over the latents as keys and values, `W_UK` folded into the queries and `W_UV`
         applied after."""
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
-        query = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + R]
-        if cpu_attention.supports_latent(meta, query, k_cache, kv_scale):
+        if cpu_attention.supports_latent(meta, q_rope, k_cache, kv_scale):  # the whole path in C, row by row
+            q_lat = cpu_attention.head_matmul(q_nope.contiguous(), w_uk, transposed=False)  # [T, H, rank]
+            query = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + R]
             out = cpu_attention.latent_attend(query, k_cache, self.mla.kv_lora_rank, meta, self.scale)
-        else:
-            out = paged_attention(query, k_cache, v_cache, meta, self.scale, kv_scale, kv_scale)  # [T, H, rank]
-        return torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+            return cpu_attention.head_matmul(out, w_uv, transposed=True)  # [T, H, v]
+        dtype = q_nope.dtype  # products in fp32 (a bf16 bmm is ~20x slower on CPUs without bf16 units)
+        q_lat = torch.bmm(q_nope.float().transpose(0, 1), w_uk.float()).transpose(0, 1).to(dtype)  # [T, H, rank]
+        query = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + R]
+        out = paged_attention(query, k_cache, v_cache, meta, self.scale, kv_scale, kv_scale)  # [T, H, rank]
+        return torch.bmm(out.float().transpose(0, 1), w_uv.float().transpose(1, 2)).transpose(0, 1).to(dtype)  # [T, H, v]
 
     def naive(
         self,
@@ -138,7 +143,8 @@ class LatentAttention(nn.Module):
             latents = latents * kv_scale
         n, s = latents.shape[:2]
         c, k_rope = latents.view(n * s, mla.latent_dim).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        kv = self.kv_b_proj(c).view(n * s, heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        weight = self.kv_b_proj.weight  # decompressed in fp32 (as fast as bf16 is slow without bf16 units)
+        kv = F.linear(c.float(), weight.float()).to(c.dtype).view(n * s, heads, mla.qk_nope_head_dim + mla.v_head_dim)
         k_nope, values = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
         keys = torch.cat([k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
         query = torch.cat([q_nope, q_rope], dim=-1)  # [T, H, nope + R]
