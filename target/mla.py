@@ -30,7 +30,7 @@ from torch import nn
 from specdec.cache import AttentionMetadata, PagedKVCache, compact_blocks, cpu_attention, paged_attention
 from specdec.cache import paged_attention_ref, write_latent
 from specdec.target.config import ModelConfig
-from specdec.target.layers import RMSNorm, plus_linear
+from specdec.target.layers import RMSNorm, normed, plus_linear
 from specdec.target.rope import Rotation, apply_rope
 
 # Windows of at least this many rows (prefill chunks) decompress the latents; shorter ones
@@ -63,11 +63,32 @@ class LatentAttention(nn.Module):
             self.q_proj = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False)
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+        self.qkv_a_proj: nn.Module | None = None  # [q_proj or q_a_proj | kv_a_proj_with_mqa]: fuse_projections
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, NORM_EPS)
         self.kv_b_proj = DenseLinear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=bias)
 
     c_kernel_fits = True  # nothing here the C attention leaves to the reference
+
+    def fuse_projections(self, fuse) -> None:
+        """Replace the two projections of the layer's input (the query's, or its low-rank first
+        half, and the latent's) by `fuse([q, kv_a])`, one module computing both, where it can."""
+        first = self.q_proj if self.q_proj is not None else self.q_a_proj
+        if self.qkv_a_proj is None and first is not None and (fused := fuse([first, self.kv_a_proj_with_mqa])) is not None:
+            self.qkv_a_proj = fused
+            self.q_proj = self.q_a_proj = self.kv_a_proj_with_mqa = None
+
+    def _project(self, x: torch.Tensor, norm: RMSNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(q [T, H * qk_head_dim], kv_a [T, rank + R])` of `norm(x)`; the norms fused into the
+        projections where they are `QLinear`s (`normed`)."""
+        mla, low_rank = self.mla, self.q_b_proj is not None
+        if self.qkv_a_proj is not None:
+            q_width = mla.q_lora_rank if low_rank else self.num_heads * mla.qk_head_dim
+            q, kv_a = normed(norm, self.qkv_a_proj, x).split([q_width, mla.latent_dim], dim=-1)
+        else:
+            x = x if norm is None else norm(x)
+            q, kv_a = (self.q_a_proj if low_rank else self.q_proj)(x), self.kv_a_proj_with_mqa(x)
+        return (normed(self.q_a_layernorm, self.q_b_proj, q.contiguous()) if low_rank else q), kv_a
 
     def forward(
         self,
@@ -80,10 +101,9 @@ class LatentAttention(nn.Module):
         residual: torch.Tensor | None = None,  # [T, hidden]: returned plus the attention output
     ) -> torch.Tensor:  # [T, hidden]
         mla, t, heads = self.mla, x.shape[0], self.num_heads
-        x = x if norm is None else norm(x)
-        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(t, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        q, kv_a = self._project(x, norm)
+        q_nope, q_rope = q.reshape(t, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        c, k_rope = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         if mla.rope_interleave:  # pairs (0, 1), (2, 3), ... -> halves, for queries and keys alike
             q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
         cos, sin = rotation.cos_sin
