@@ -47,7 +47,7 @@ def run(contexts: list[int], batch: int, repeats: int, block_size: int = 16) -> 
     dtype = torch.bfloat16
     config, layer = _layer(dtype)
     m = config.mla
-    rows = []
+    rows, threshold_before = [], mla.NAIVE_MIN_QUERY_LEN
     for ctx in contexts:
         blocks = batch * (-(-(ctx + 1) // block_size))
         spec = KVCacheSpec(1, 1, m.latent_dim, block_size, dtype, latent_rank=m.kv_lora_rank)
@@ -70,7 +70,7 @@ def run(contexts: list[int], batch: int, repeats: int, block_size: int = 16) -> 
                     start = time.perf_counter()
                     layer(x, rotation, cache, 0, meta)
                     times[path].append(time.perf_counter() - start)
-        mla.NAIVE_MIN_QUERY_LEN = 64
+        mla.NAIVE_MIN_QUERY_LEN = threshold_before
         absorbed, naive = min(times["absorbed"]), min(times["naive"])
         rows.append({"context": ctx, "batch": batch, "absorbed_ms": 1e3 * absorbed, "naive_ms": 1e3 * naive,
                      "naive_over_absorbed": naive / absorbed})

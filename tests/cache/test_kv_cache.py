@@ -19,6 +19,31 @@ def test_bytes_per_block_counts_layers_keys_values():
     assert _spec(dtype=FP8).bytes_per_block() * 2 == _spec().bytes_per_block()
 
 
+def test_a_latent_cache_holds_one_plane_whose_first_dims_are_the_values():
+    """Multi-head latent attention: one "head" of rank + rope a token, no separate values; the
+    values are a view of the latents' first rank dims, and blocks travel as one plane."""
+    import numpy as np
+
+    from specdec.cache import BlockPool
+    from specdec.cache.transfer import read_blocks, transit_shape, write_held_block
+
+    spec = _spec(num_kv_heads=1, head_dim=24, latent_rank=16)
+    assert spec.planes == 1 and spec.bytes_per_token() == 3 * 24 * 2 and spec.bytes_per_block() == 4 * 3 * 24 * 2
+    cache = PagedKVCache(spec, 5)
+    assert cache.kv.shape == (3, 1, 5, 4, 1, 24)
+    k, v = cache.layer(2)
+    k[1, 2, 0] = torch.arange(24, dtype=torch.bfloat16)
+    assert v.shape == (5, 4, 1, 16) and torch.equal(v[1, 2, 0], torch.arange(16, dtype=torch.bfloat16))
+    data = read_blocks(cache, [1])
+    assert data.shape == transit_shape(spec, 1) == (3, 1, 1, 4, 1, 48)
+    other = PagedKVCache(spec, 5)
+    block = write_held_block(BlockPool(5), other, np.asarray(data))
+    assert torch.equal(other.kv[:, :, block], cache.kv[:, :, 1])
+    for bad in (dict(latent_rank=25), dict(num_kv_heads=2, latent_rank=16)):
+        with pytest.raises(ValueError, match="latent cache"):
+            _spec(**{"num_kv_heads": 1, "head_dim": 24, **bad})
+
+
 def test_from_memory_budget_fits_the_budget():
     spec = _spec()
     cache = PagedKVCache.from_memory_budget(spec, 10 * spec.bytes_per_block() + 7)
