@@ -111,16 +111,9 @@ static int64_t heads_per_item(int64_t group, int64_t row_heads, int threads) {
     return 1;
 }
 
-/* Checks the sizes and indices before anything is read or written: SPECDEC_OK when they are all
- * in range, else the status saying what is not (SPECDEC_ERR_INVALID_ARGUMENT: head sizes the
- * kernel does not take or a missing buffer). */
-static int check(const struct specdec_attention *a, const uint16_t *qkv, int64_t row_stride,
-                 const uint16_t *k_cache, const uint16_t *v_cache, const uint16_t *out) {
-    if (!qkv || !k_cache || !v_cache || !out || !a->slots || !a->block_tables || !a->seq_lens ||
-        !a->query_start_loc || (a->positions && (!a->cos || !a->signed_sin)) || a->d <= 0 ||
-        a->d % 32 || a->d > SPECDEC_MAX_HEAD_DIM || a->hq <= 0 || a->hkv <= 0 || a->hq % a->hkv ||
-        row_stride < (a->hq + 2 * a->hkv) * a->d || a->num_seqs < 0 || a->block_size <= 0)
-        return SPECDEC_ERR_INVALID_ARGUMENT;
+/* Each sequence's lengths against its block table and the table's entries against the cache:
+ * SPECDEC_OK, SPECDEC_ERR_LENGTHS or SPECDEC_ERR_BLOCK (both kernels' checks end with it). */
+static int check_sequences(const struct specdec_attention *a) {
     const int32_t *query_start_loc = a->query_start_loc, *seq_lens = a->seq_lens;
     if (query_start_loc[0] != 0) return SPECDEC_ERR_LENGTHS;
     for (int64_t b = 0; b < a->num_seqs; b++) {
@@ -132,7 +125,22 @@ static int check(const struct specdec_attention *a, const uint16_t *qkv, int64_t
             if (block < 0 || block >= a->num_blocks) return SPECDEC_ERR_BLOCK;
         }
     }
-    for (int64_t t = 0; t < query_start_loc[a->num_seqs]; t++) {
+    return SPECDEC_OK;
+}
+
+/* Checks the sizes and indices before anything is read or written: SPECDEC_OK when they are all
+ * in range, else the status saying what is not (SPECDEC_ERR_INVALID_ARGUMENT: head sizes the
+ * kernel does not take or a missing buffer). */
+static int check(const struct specdec_attention *a, const uint16_t *qkv, int64_t row_stride,
+                 const uint16_t *k_cache, const uint16_t *v_cache, const uint16_t *out) {
+    if (!qkv || !k_cache || !v_cache || !out || !a->slots || !a->block_tables || !a->seq_lens ||
+        !a->query_start_loc || (a->positions && (!a->cos || !a->signed_sin)) || a->d <= 0 ||
+        a->d % 32 || a->d > SPECDEC_MAX_HEAD_DIM || a->hq <= 0 || a->hkv <= 0 || a->hq % a->hkv ||
+        row_stride < (a->hq + 2 * a->hkv) * a->d || a->num_seqs < 0 || a->block_size <= 0)
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+    const int rc = check_sequences(a);
+    if (rc != SPECDEC_OK) return rc;
+    for (int64_t t = 0; t < a->query_start_loc[a->num_seqs]; t++) {
         if (a->positions && (a->positions[t] < 0 || a->positions[t] >= a->num_positions)) return SPECDEC_ERR_POSITION;
         if (a->slots[t] < 0 || a->slots[t] >= a->num_slots) return SPECDEC_ERR_SLOT;
     }
@@ -197,18 +205,7 @@ static int check_latent(const struct specdec_attention *a, const uint16_t *q, co
         a->d % 16 || a->d > SPECDEC_MAX_LATENT_DIM || dv <= 0 || dv % 16 || dv > a->d || dv > SPECDEC_MAX_HEAD_DIM ||
         a->hq <= 0 || a->hkv != 1 || a->num_seqs < 0 || a->block_size <= 0)
         return SPECDEC_ERR_INVALID_ARGUMENT;
-    const int32_t *query_start_loc = a->query_start_loc, *seq_lens = a->seq_lens;
-    if (query_start_loc[0] != 0) return SPECDEC_ERR_LENGTHS;
-    for (int64_t b = 0; b < a->num_seqs; b++) {
-        const int64_t query_len = query_start_loc[b + 1] - query_start_loc[b];
-        if (query_len < 0 || query_len > seq_lens[b] || seq_lens[b] > a->max_blocks * a->block_size)
-            return SPECDEC_ERR_LENGTHS;
-        for (int64_t i = 0; i < (seq_lens[b] + a->block_size - 1) / a->block_size; i++) {
-            const int32_t block = a->block_tables[b * a->max_blocks + i];
-            if (block < 0 || block >= a->num_blocks) return SPECDEC_ERR_BLOCK;
-        }
-    }
-    return SPECDEC_OK;
+    return check_sequences(a);
 }
 
 /* q [T, hq, d] bf16 (d = a->d: latent rank + rope, a multiple of 16 up to SPECDEC_MAX_LATENT_DIM)
