@@ -54,10 +54,10 @@ class SimdLevel:
 
 # Best first. AVX-VNNI is the 256-bit VNNI of Intel's hybrid cores and Zen 5 (CPUID 7.1 EAX bit 4).
 SIMD_LEVELS = (
-    SimdLevel("avx512-vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"),
-              ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")),
-    SimdLevel("avx-vnni", ("-mavx2", "-mfma", "-mavxvnni"), ("avx2", "fma", "avx_vnni")),
-    SimdLevel("avx2", ("-mavx2", "-mfma"), ("avx2", "fma")),
+    SimdLevel("avx512-vnni", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"),
+              ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "f16c")),
+    SimdLevel("avx-vnni", ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"), ("avx2", "fma", "f16c", "avx_vnni")),
+    SimdLevel("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
 
 

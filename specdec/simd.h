@@ -36,6 +36,7 @@ static inline float reduce_max8(__m256 v) {
 typedef __m512 vf;
 
 static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_halves(__m256 lo, __m256 hi) { return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1); }
 static inline vf vf_set1(float a) { return _mm512_set1_ps(a); }
 static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
@@ -94,6 +95,7 @@ typedef struct {
 static inline __m256 round8(__m256 v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
 static inline vf vf_zero(void) { return (vf){_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline vf vf_halves(__m256 lo, __m256 hi) { return (vf){lo, hi}; } /* lanes 0-7, 8-15 */
 static inline vf vf_set1(float a) { return (vf){_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
 static inline vf vf_load(const float *p) { return (vf){_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }

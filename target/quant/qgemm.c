@@ -46,6 +46,7 @@ struct group_consts {
 };
 
 #include "qgemm_tiles.h" /* tile_rows and MAX_ROWS for this build's instruction set */
+#include "kquant_tiles.h" /* q4k_rows, q6k_rows: GGUF's Q4_K and Q6_K tiles, one source for every level */
 
 /* The 32 fp32 inputs of group g of row r: x itself, RMSNorm(x) (norm_w), or with `glu` (x is
  * [M, 2K], gate | up) silu(gate) * up, computed in fp32. */
@@ -90,6 +91,36 @@ static void quantize_rows(const void *x, int x_bf16, int64_t m, int64_t k, int g
     }
 }
 
+/* x -> xq [M, K] int8 per row and super-block of 256 (one scale each, as llama.cpp's Q8_K) and
+ * its sums per 16 and 32 inputs (sc): the activations of k-quant tiles. */
+static void quantize_rows_super(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const float *inv_rms,
+                                const void *norm_w, int norm_w_bf16, int8_t *xq, struct super_consts *sc,
+                                int threads) {
+    const int64_t supers = k / SUPER, per = SUPER / GROUP;
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * k > (1 << 16))
+    for (int64_t idx = 0; idx < m * supers; idx++) {
+        const int64_t r = idx / supers, s = idx % supers;
+        float v[SUPER], amax = 0.0f;
+        for (int g = 0; g < per; g++)
+            load_group(x, x_bf16, r, s * per + g, k, glu, inv_rms, norm_w, norm_w_bf16, v + g * GROUP);
+        for (int i = 0; i < SUPER; i++) amax = fmaxf(amax, fabsf(v[i]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        struct super_consts *c = &sc[idx];
+        c->scale = amax / 127.0f;
+        int8_t *q = xq + idx * SUPER;
+        for (int i = 0; i < SUPER; i++) {
+            int32_t t = (int32_t)nearbyintf(v[i] * inv);
+            q[i] = (int8_t)(t > 127 ? 127 : t < -127 ? -127 : t);
+        }
+        for (int j = 0; j < 16; j++) {
+            int32_t sum = 0;
+            for (int i = 0; i < 16; i++) sum += q[16 * j + i];
+            c->sum16[j] = (int16_t)sum;
+        }
+        for (int j = 0; j < 8; j++) c->sum32[j] = (int16_t)(c->sum16[2 * j] + c->sum16[2 * j + 1]);
+    }
+}
+
 /* y = acc + bias (+ residual: rounded to y's dtype first, then added in fp32 and rounded again,
  * which is bitwise `residual + linear(x)` in torch). */
 static inline void store_rows(const vf *acc, int R, const float *bias, const void *res, void *y,
@@ -115,6 +146,20 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);              \
     } while (0)
 
+/* R <= KQUANT_PASS rows against a k-quant tile (kquant_tiles.h) */
+#define KQUANT_ROWS(R)                                                                                   \
+    do {                                                                                                 \
+        __m256 lo[KQUANT_PASS], hi[KQUANT_PASS];                                                         \
+        const int64_t ahead = row == 0 ? PREFETCH_BYTES : next_ahead;                                    \
+        if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi); \
+        else q6k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi);              \
+        vf acc[KQUANT_PASS];                                                                             \
+        for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
+        store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
+    } while (0)
+
+static inline int is_kquant(int bits) { return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q6_K; }
+
 #ifdef UNPACKED_GROUP /* R <= UNPACKED_PASS rows against the unpacked tile */
 #define UNPACKED_ROWS(R)                                                                              \
     do {                                                                                              \
@@ -126,10 +171,11 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
 
 /* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
  * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
- * the byte offset of each tile in it and `tile_bits[N/16]` its format (4 or 8). x, y, residual
+ * the byte offset of each tile in it and `tile_bits[N/16]` its format (4, 8, or a k-quant tile,
+ * SPECDEC_TILE_Q4_K or SPECDEC_TILE_Q6_K, whose calls need K % 256 == 0). x, y, residual
  * [M, N] (NULL: none; may be y) and norm_w are fp32 or bf16 (flags; residual as y), bias fp32
  * or NULL. Returns SPECDEC_OK, SPECDEC_ERR_INVALID_ARGUMENT (sizes off the tile grid, a missing
- * buffer, a tile neither int4 nor int8, norm and glu together) or SPECDEC_ERR_NO_MEMORY. */
+ * buffer, a tile of no format, norm and glu together) or SPECDEC_ERR_NO_MEMORY. */
 int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_t *tiles,
           const int64_t *tile_offsets, const uint8_t *tile_bits, int64_t n, const float *bias,
           const void *residual, void *y, int y_bf16, const void *norm_w, int norm_w_bf16, float eps,
@@ -137,14 +183,21 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
     if (!x || !tiles || !tile_offsets || !tile_bits || !y || m < 0 || k <= 0 || k % GROUP || n <= 0 ||
         n % TILE || (glu && norm_w))
         return SPECDEC_ERR_INVALID_ARGUMENT;
-    for (int64_t t = 0; t < n / TILE; t++)
-        if (tile_bits[t] != 4 && tile_bits[t] != 8) return SPECDEC_ERR_INVALID_ARGUMENT;
-    const int64_t groups = k / GROUP;
-    int8_t *xq = (int8_t *)malloc((size_t)(m * k));
-    struct group_consts *gc = (struct group_consts *)malloc(sizeof(struct group_consts) * (size_t)(m * groups));
+    int grouped = 0, kquant = 0; /* which activation quantizations the tiles need */
+    for (int64_t t = 0; t < n / TILE; t++) {
+        if (tile_bits[t] == 4 || tile_bits[t] == 8) grouped = 1;
+        else if (is_kquant(tile_bits[t])) kquant = 1;
+        else return SPECDEC_ERR_INVALID_ARGUMENT;
+    }
+    if (kquant && k % SUPER) return SPECDEC_ERR_INVALID_ARGUMENT;
+    const int64_t groups = k / GROUP, supers = k / SUPER;
+    int8_t *xq = grouped ? (int8_t *)malloc((size_t)(m * k) + 1) : NULL;
+    struct group_consts *gc = grouped ? (struct group_consts *)malloc(sizeof(struct group_consts) * (size_t)(m * groups) + 1) : NULL;
+    int8_t *xqs = kquant ? (int8_t *)malloc((size_t)(m * k) + 1) : NULL;
+    struct super_consts *sc = kquant ? (struct super_consts *)malloc(sizeof(struct super_consts) * (size_t)(m * supers) + 1) : NULL;
     float *inv_rms = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
-    if (!xq || !gc || !inv_rms) {
-        free(xq), free(gc), free(inv_rms);
+    if ((grouped && (!xq || !gc)) || (kquant && (!xqs || !sc)) || !inv_rms) {
+        free(xq), free(gc), free(xqs), free(sc), free(inv_rms);
         return SPECDEC_ERR_NO_MEMORY;
     }
     if (norm_w) {
@@ -158,7 +211,8 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             inv_rms[r] = 1.0f / sqrtf(sum / (float)k + eps);
         }
     }
-    quantize_rows(x, x_bf16, m, k, glu, inv_rms, norm_w, norm_w_bf16, xq, gc, threads);
+    if (grouped) quantize_rows(x, x_bf16, m, k, glu, inv_rms, norm_w, norm_w_bf16, xq, gc, threads);
+    if (kquant) quantize_rows_super(x, x_bf16, m, k, glu, inv_rms, norm_w, norm_w_bf16, xqs, sc, threads);
 #pragma omp parallel num_threads(threads)
     {
         uint8_t *unpacked = NULL; /* many rows at AVX2 / AVX-VNNI: int4 tiles unpacked once (qgemm_tiles.h) */
@@ -173,6 +227,11 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             const int64_t next_ahead = t + 1 < n / TILE ? tile_offsets[t + 1] - tile_offsets[t] : PREFETCH_BYTES;
             const int bits = tile_bits[t];
             int64_t row = 0;
+            if (is_kquant(bits)) {
+                for (; row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS);
+                for (; row < m; row++) KQUANT_ROWS(1);
+                continue;
+            }
 #ifdef UNPACKED_GROUP
             if (unpacked && bits == 4) {
                 unpack_int4_tile(tile, groups, unpacked);
@@ -202,6 +261,6 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         }
         free(unpacked);
     }
-    free(xq), free(gc), free(inv_rms);
+    free(xq), free(gc), free(xqs), free(sc), free(inv_rms);
     return SPECDEC_OK;
 }

@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from specdec import native
-from specdec.kernel_abi import GROUP, TILE, check_tensor
+from specdec.kernel_abi import GROUP, SUPER, TILE, TILE_Q4_K, TILE_Q6_K, check_tensor
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-HEADERS = (SOURCE.with_name("qgemm_tiles.h"),)
+HEADERS = (SOURCE.with_name("qgemm_tiles.h"), SOURCE.with_name("kquant_tiles.h"))
 
 
 def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
@@ -28,6 +28,15 @@ def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
 
 FLOATS = (torch.bfloat16, torch.float32)  # what x, y, residual and norm weights may be
 GROUP_BYTES = {4: 320, 8: 544}  # bytes per group of 32 inputs in an int4 / int8 tile (qgemm.c)
+SUPER_BYTES = {TILE_Q4_K: 2304, TILE_Q6_K: 3360}  # per super-block of 256 in a k-quant tile (kquant_tiles.h)
+TILE_KINDS = {4: "int4", 8: "int8", TILE_Q4_K: "Q4_K", TILE_Q6_K: "Q6_K"}  # tile_bits -> its format
+
+
+def tile_size(bits: int, in_features: int) -> int:
+    """Bytes of one tile of format `bits` (a `tile_bits` value) over `in_features` inputs."""
+    if bits in SUPER_BYTES:
+        return in_features // SUPER * SUPER_BYTES[bits]
+    return in_features // GROUP * GROUP_BYTES[bits]
 
 
 class KernelUnavailableError(RuntimeError):
@@ -59,7 +68,7 @@ def require_qgemm() -> ctypes.CDLL:
 def check_weights(tiles: torch.Tensor, tile_offsets: torch.Tensor, tile_bits: torch.Tensor,
                   bias: torch.Tensor | None, in_features: int, out_features: int) -> None:
     """`check_tensor` on a `QLinear`'s buffers (moved or replaced since it was made), and every
-    tile 4 or 8 bits and inside `tiles`: `ValueError` naming what is not."""
+    tile of a known format (`TILE_KINDS`) and inside `tiles`: `ValueError` naming what is not."""
     check_tensor("tiles", tiles, (torch.uint8,), (tiles.numel(),))
     check_tensor("tile_offsets", tile_offsets, (torch.int64,), (out_features // TILE,))
     check_tensor("tile_bits", tile_bits, (torch.uint8,), (out_features // TILE,))
@@ -68,8 +77,12 @@ def check_weights(tiles: torch.Tensor, tile_offsets: torch.Tensor, tile_bits: to
     if in_features % GROUP or out_features % TILE:
         raise ValueError(f"QLinear needs in_features % {GROUP} == out_features % {TILE} == 0, "
                          f"got {in_features} and {out_features}")
-    if not ((tile_bits == 4) | (tile_bits == 8)).all():
-        raise ValueError("tile_bits must all be 4 or 8")
-    ends = tile_offsets + torch.where(tile_bits == 4, GROUP_BYTES[4], GROUP_BYTES[8]) * (in_features // GROUP)
+    kinds = set(tile_bits.unique().tolist())
+    if not kinds <= TILE_KINDS.keys():
+        raise ValueError(f"tile_bits must all be one of {sorted(TILE_KINDS)}, got {sorted(kinds - TILE_KINDS.keys())}")
+    if kinds & SUPER_BYTES.keys() and in_features % SUPER:
+        raise ValueError(f"k-quant tiles need in_features % {SUPER} == 0, got {in_features}")
+    sizes = torch.tensor([tile_size(b, in_features) if b in kinds else 0 for b in range(max(TILE_KINDS) + 1)])
+    ends = tile_offsets + sizes[tile_bits.long()]
     if tile_offsets.numel() and (int(tile_offsets.min()) < 0 or int(ends.max()) > tiles.numel()):
         raise ValueError(f"tile_offsets point outside tiles ({tiles.numel()} bytes)")

@@ -17,6 +17,19 @@
  * their sum. `tile_rows` takes `first` (its rows start the tile) and picks; the first pass keeps
  * a constant distance, so its code is what it was without the second pass's prefetch. */
 
+/* The VEX `vpmaddubsw` step every level can run (AVX2's int4 and int8 paths, and every level's
+ * k-quant tiles, kquant_tiles.h). asm so that gcc keeps the steps in this order (see below). */
+/* acc0 (int16) += the byte-pair sums of w0 (unsigned) times the 4 signed bytes at a, in every lane,
+ * and acc1 the same with w1: both halves of a tile from one broadcast. */
+#define MADDUBS_ACC2(acc0, acc1, w0, w1, a)                                                        \
+    do {                                                                                           \
+        __m256i t_, u_;                                                                            \
+        __asm__("vpbroadcastd %6, %2\n\tvpmaddubsw %2, %4, %3\n\tvpaddw %3, %0, %0\n\t"           \
+                "vpmaddubsw %2, %5, %2\n\tvpaddw %2, %1, %1"                                      \
+                : "+x"(acc0), "+x"(acc1), "=&x"(t_), "=&x"(u_)                                      \
+                : "x"(w0), "x"(w1), "m"(*(const int32_t *)(a)));                                     \
+    } while (0)
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 
 #define MAX_ROWS 6
@@ -122,16 +135,6 @@ static inline __attribute__((always_inline)) void tile_rows(
                 : "+x"(acc), "=&x"(t_) : "x"(w), "m"(*(const int32_t *)(a)));                        \
     } while (0)
 #else
-/* acc0 (int16) += the byte-pair sums of w0 (unsigned) times the 4 signed bytes at a, in every lane,
- * and acc1 the same with w1: both halves of a tile from one broadcast. */
-#define MADDUBS_ACC2(acc0, acc1, w0, w1, a)                                                        \
-    do {                                                                                           \
-        __m256i t_, u_;                                                                            \
-        __asm__("vpbroadcastd %6, %2\n\tvpmaddubsw %2, %4, %3\n\tvpaddw %3, %0, %0\n\t"           \
-                "vpmaddubsw %2, %5, %2\n\tvpaddw %2, %1, %1"                                      \
-                : "+x"(acc0), "+x"(acc1), "=&x"(t_), "=&x"(u_)                                      \
-                : "x"(w0), "x"(w1), "m"(*(const int32_t *)(a)));                                     \
-    } while (0)
 /* acc (int32) += (|s| . sign(the 4 signed bytes at a, s)) summed by lane: s . a for signed s */
 #define SIGNED_DOT4(acc, s, mag, ones, a)                                                          \
     do {                                                                                           \

@@ -9,6 +9,10 @@ rows in the batch.
 
 Output channels come in tiles of 16, each int4 or int8 on its own, so q/k/v and gate/up fuse by
 concatenating tiles whatever format each part took.
+
+A GGUF's Q4_K and Q6_K tensors skip all of that (`from_gguf`): their blocks are repacked into
+k-quant tiles (`kquant.py`) with the file's bytes, read as they are by the kernel, activations then
+quantized per 256 inputs (llama.cpp's Q8_K). They fuse with the other formats the same way.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import weakref
 import torch
 from torch import nn
 
-from specdec.kernel_abi import check_tensor, raise_for_status
+from specdec.kernel_abi import SUPER, check_tensor, raise_for_status
+from specdec.target.quant import kquant
 from specdec.target.quant.int4 import chunk_rows, quantize_int4
 from specdec.target.quant.int8 import cat_biases
-from specdec.target.quant.qgemm import FLOATS, GROUP_BYTES, check_weights, require_qgemm
+from specdec.target.quant.qgemm import FLOATS, GROUP_BYTES, SUPER_BYTES, TILE_KINDS, check_weights, require_qgemm, tile_size
 
 # The tile layout's sizes, spelled here because this file keys the quantized cache
 # (`cache_file.LAYOUT_SOURCES`); equal to kernel_abi.h's SPECDEC_GROUP / SPECDEC_TILE (tested).
@@ -85,6 +90,19 @@ class QLinear(nn.Module):
         size = tiles.numel() // t
         offsets = torch.arange(t, dtype=torch.int64) * size
         return cls(tiles, offsets, torch.full((t,), bits, dtype=torch.uint8), k, bias)
+
+    @classmethod
+    def from_gguf(cls, raw, kind: int, in_features: int, bias: torch.Tensor | None) -> "QLinear":
+        """From a GGUF tensor's blocks as stored, `raw [N, K / 256 * block bytes]` uint8 of
+        `kind` (ggml's Q4_K or Q6_K type id): repacked, not re-quantized (`kquant`)."""
+        n = raw.shape[0]
+        if not kquant.fits(kind, n, in_features):
+            raise ValueError(f"k-quant tiles need a Q4_K or Q6_K tensor with out_features % {TILE} == 0 and "
+                             f"in_features % {SUPER} == 0, got type {kind}, {n}x{in_features}")
+        tiles = kquant.pack_kquant(raw, kind)
+        size = kquant.tile_bytes(kind, in_features)
+        offsets = torch.arange(n // TILE, dtype=torch.int64) * size
+        return cls(tiles, offsets, torch.full((n // TILE,), kind, dtype=torch.uint8), in_features, bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, int4_max_error: float) -> nn.Module:
@@ -151,8 +169,8 @@ class QLinear(nn.Module):
             self._checked = tuple(_no_ref if b is None else weakref.ref(b) for b in buffers)
 
     def extra_repr(self) -> str:
-        int4 = int((self.tile_bits == 4).sum())
-        return f"in={self.in_features}, out={self.out_features}, int4 tiles={int4}/{self.tile_bits.numel()}"
+        counts = {TILE_KINDS[b]: n for b, n in zip(*(v.tolist() for v in self.tile_bits.unique(return_counts=True)))}
+        return f"in={self.in_features}, out={self.out_features}, tiles={counts}"
 
 
 def _no_ref() -> None:  # the weak reference to an absent bias
@@ -286,7 +304,10 @@ def dequantize(module: QLinear) -> torch.Tensor:
     k, g = module.in_features, module.in_features // GROUP
     rows = []
     for off, bits in zip(module.tile_offsets.tolist(), module.tile_bits.tolist()):
-        size = g * GROUP_BYTES[bits]
+        size = tile_size(bits, k)
+        if bits in SUPER_BYTES:
+            rows.append(kquant.dequantize_tiles(module.tiles[off : off + size], bits, k))
+            continue
         tile = module.tiles[off : off + size].view(g, -1)
         if bits == 4:
             b = tile[:, :256].view(g, 4, TILE, 4)  # [g, b, n, i]
@@ -305,12 +326,20 @@ def _untile(b: torch.Tensor) -> torch.Tensor:  # [g, 32] bytes -> [16, g] fp32
 
 
 def reference_qgemm(x: torch.Tensor, module: QLinear) -> torch.Tensor:
-    """What the kernel computes, in torch: x quantized per row and group of 32, times the weights
-    `dequantize` gives, in fp32 (the kernel matches it up to fp32 rounding order)."""
+    """What the kernel computes, in torch: x quantized per row and group of 32 (per 256 for
+    k-quant tiles), times the weights `dequantize` gives, in fp32 (the kernel matches it up to fp32
+    rounding order)."""
+    w = dequantize(module)  # [N, K]
+    kquant_cols = (module.tile_bits[:, None].expand(-1, TILE).reshape(-1) > 8)  # [N]
+    y = _fake_quant(x, GROUP) @ w.t()
+    if kquant_cols.any():
+        y[:, kquant_cols] = _fake_quant(x, SUPER) @ w[kquant_cols].t()
+    return y if module.bias is None else y + module.bias
+
+
+def _fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:  # [M, K]: int8 per row and group, dequantized
     m, k = x.shape
-    xg = x.float().view(m, k // GROUP, GROUP)
+    xg = x.float().view(m, k // group, group)
     amax = xg.abs().amax(-1, keepdim=True)
     xq = torch.where(amax > 0, (xg * (127.0 / amax)).round().clamp(-127, 127), torch.zeros_like(xg))
-    xdq = (xq * (amax / 127.0)).view(m, k)
-    y = xdq @ dequantize(module).t()
-    return y if module.bias is None else y + module.bias
+    return (xq * (amax / 127.0)).view(m, k)

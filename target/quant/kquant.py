@@ -1,0 +1,152 @@
+"""GGUF Q4_K and Q6_K blocks repacked into `QLinear` tiles that `qgemm` reads as they are.
+
+The file's quantized weights are not re-quantized: their integers, 6-bit (Q4_K) or int8 (Q6_K)
+sub-scales and fp16 super-block scales move into the tile layout of `kquant_tiles.h`, 16 output
+channels to a tile, with the file's bytes per weight (144 and 210 bytes per 256 weights). So the
+weights the kernel multiplies by are exactly the file's (`dequantize_tiles` gives back
+`gguf.quants.dequantize`'s values, tested), and loading is a reshuffle of bytes.
+
+    >>> tiles = pack_kquant(raw_rows, TILE_Q4_K)   # doctest: +SKIP  (raw_rows [N, K / 256 * 144] uint8)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec.kernel_abi import SUPER, TILE, TILE_Q4_K, TILE_Q6_K
+
+# bytes per 256 weights in the file (one block) and in a tile (per output channel): equal
+BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q6_K: 210}
+ROWS_PER_CHUNK = 4096  # output channels repacked at once: ~10 MB of temporaries for K = 1536
+
+
+def tile_bytes(kind: int, in_features: int) -> int:
+    """Bytes of one tile of `kind` over `in_features` inputs."""
+    return TILE * in_features // SUPER * BLOCK_BYTES[kind]
+
+
+def fits(kind: int, out_features: int, in_features: int) -> bool:
+    """Whether a `[out_features, in_features]` tensor of `kind` fills whole tiles."""
+    return kind in BLOCK_BYTES and out_features % TILE == 0 and in_features % SUPER == 0
+
+
+def pack_kquant(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor:
+    """`raw [N, K / 256 * block bytes]` uint8, a GGUF tensor's rows of `kind` (ggml's Q4_K or
+    Q6_K id) -> the tiles `[N / 16 * tile_bytes]` uint8, a chunk of rows at a time."""
+    rows = torch.from_numpy(np.ascontiguousarray(raw)) if isinstance(raw, np.ndarray) else raw.contiguous()
+    n = rows.shape[0]
+    pack = {TILE_Q4_K: _pack_q4_k, TILE_Q6_K: _pack_q6_k}[kind]
+    return torch.cat([pack(rows[r : r + ROWS_PER_CHUNK]) for r in range(0, n, ROWS_PER_CHUNK)])
+
+
+def _blocks(rows: torch.Tensor, kind: int) -> torch.Tensor:  # [n, S * bytes] -> [n, S, bytes]
+    return rows.view(rows.shape[0], -1, BLOCK_BYTES[kind])
+
+
+def _int4_layout(q: torch.Tensor) -> torch.Tensor:
+    """`q [N, K]` 0..15 -> `[N/16, K/8, 64]`: per block of 8 inputs, byte 4n + i = q[n][8b + i] |
+    q[n][8b + 4 + i] << 4 (the int4 tiles' blocks, qlinear.pack_int4)."""
+    n, k = q.shape
+    q6 = q.view(n // TILE, TILE, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # [t, b, n, i, h]
+    return (q6[..., 0] | (q6[..., 1] << 4)).reshape(n // TILE, k // 8, 64)
+
+
+def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K `[n, S, 144]` -> q `[n, 256 S]` 0..15, sc and m `[n, S, 8]` 0..63, d and dmin `[n, S]`
+    as fp16 bits (int16)."""
+    n, s = blocks.shape[:2]
+    d = blocks[..., 0:2].contiguous().view(torch.int16).view(n, s)
+    dmin = blocks[..., 2:4].contiguous().view(torch.int16).view(n, s)
+    a, b, c = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]
+    sc = torch.cat((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), -1)  # [n, S, 8]
+    m = torch.cat((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), -1)
+    qs = blocks[..., 16:].reshape(n, s, 4, 32)
+    q = torch.stack((qs & 0x0F, qs >> 4), 3).reshape(n, 256 * s)  # sub-block 2i: low nibbles of group i
+    return q, sc, m, d, dmin
+
+
+def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q6_K `[n, S, 210]` -> q `[n, 256 S]` 0..63, sc `[n, S, 16]` int8, d `[n, S]` fp16 bits."""
+    n, s = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(n, s, 2, 2, 32)  # [n, S, half, ql byte group, l]
+    low = torch.stack((ql & 0x0F, ql >> 4), 3).reshape(n, s, 2, 4, 32)  # values 0-31, 32-63, 64-95, 96-127 of a half
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    top = (blocks[..., 128:192].reshape(n, s, 2, 1, 32) >> shifts) & 3  # [n, S, half, 4, 32]
+    q = (low | (top << 4)).reshape(n, 256 * s)
+    sc = blocks[..., 192:208].contiguous().view(torch.int8)  # [n, S, 16]
+    d = blocks[..., 208:210].contiguous().view(torch.int16).view(n, s)
+    return q, sc, d
+
+
+def _per_tile(v: torch.Tensor) -> torch.Tensor:
+    """`[N, S, j]` -> `[N/16, S, j, 16]` (outputs last: one vector of 16 per j) as bytes."""
+    n, s = v.shape[:2]
+    return v.reshape(n // TILE, TILE, s, -1).permute(0, 2, 3, 1).contiguous()
+
+
+def _fp16_bytes(v: torch.Tensor) -> torch.Tensor:  # [N, S] int16 -> [N/16, S, 32] bytes
+    return _per_tile(v.unsqueeze(-1)).view(torch.uint8).reshape(v.shape[0] // TILE, v.shape[1], 32)
+
+
+def _pack_q4_k(rows: torch.Tensor) -> torch.Tensor:
+    q, sc, m, d, dmin = q4_k_parts(_blocks(rows, TILE_Q4_K))
+    t, s = q.shape[0] // TILE, q.shape[1] // SUPER
+    weights = _int4_layout(q).view(t, s, 2048)
+    sc_t, m_t = _per_tile(sc), _per_tile(m)  # [t, S, 8, 16]
+    low = ((sc_t & 15) | ((m_t & 15) << 4)).view(t, s, 128)
+    hi = ((sc_t >> 4) | ((m_t >> 4) << 2)).view(t, s, 4, 2, 16)  # [t, S, j/2, j odd, n]
+    top = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 4)).view(t, s, 64)
+    return torch.cat((weights, low, top, _fp16_bytes(d), _fp16_bytes(dmin)), -1).reshape(-1)
+
+
+def _pack_q6_k(rows: torch.Tensor) -> torch.Tensor:
+    q, sc, d = q6_k_parts(_blocks(rows, TILE_Q6_K))
+    t, s, k = q.shape[0] // TILE, q.shape[1] // SUPER, q.shape[1]
+    low = _int4_layout(q & 15)  # [t, K/8, 64]
+    # vector v = 2 * part + half of a block: part 0 the inputs 8b + i, part 1 8b + 4 + i; value 4n' + i
+    hi = (q >> 4).view(t, 2, 8, k // 8, 2, 4).permute(0, 3, 4, 1, 2, 5).reshape(t, k // 8, 4, 32)
+    top = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)  # [t, K/8, 32]
+    blocks = torch.cat((low, top), -1).view(t, s, 32 * 96)
+    scales = _per_tile(sc).view(torch.uint8).view(t, s, 256)
+    return torch.cat((blocks, scales, _fp16_bytes(d)), -1).reshape(-1)
+
+
+def dequantize_tiles(tiles: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
+    """The weights `[16 * tiles, K]` fp32 that k-quant `tiles` of one kind hold (tests, reports):
+    read back from the tile layout, so a packing error shows as a difference from the file's."""
+    s = in_features // SUPER
+    per = tile_bytes(kind, in_features) // s
+    b = tiles.view(-1, s, per)  # [t, S, bytes]
+    t = b.shape[0]
+
+    def untile(v: torch.Tensor) -> torch.Tensor:  # [t, S, j, 16] -> [16 t, S, j]
+        return v.permute(0, 3, 1, 2).reshape(t * TILE, s, -1)
+
+    def fp16(v: torch.Tensor) -> torch.Tensor:  # [t, S, 32] bytes -> [16 t, S, 1] fp32
+        return untile(v.contiguous().view(torch.float16).view(t, s, 1, TILE)).float()
+
+    if kind == TILE_Q4_K:
+        q = _from_int4_layout(b[..., :2048].reshape(t, -1, 64))
+        low = b[..., 2048:2176].reshape(t, s, 8, 16)
+        top = b[..., 2176:2240].reshape(t, s, 4, 1, 16) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+        top = top.reshape(t, s, 8, 16)
+        sc = untile((low & 15) | ((top & 3) << 4)).float()
+        m = untile((low >> 4) | (((top >> 2) & 3) << 4)).float()
+        w = (fp16(b[..., 2240:2272]) * sc)[..., None] * q.view(-1, s, 8, 32) - (fp16(b[..., 2272:2304]) * m)[..., None]
+        return w.reshape(-1, in_features)
+    blocks = b[..., :3072].reshape(t, -1, 96)  # [t, K/8, 96]
+    low = _from_int4_layout(blocks[..., :64])
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    hi = (blocks[..., 64:].unsqueeze(2) >> shifts) & 3  # [t, K/8, 4, 32]
+    hi = hi.view(t, -1, 2, 2, 8, 4).permute(0, 3, 4, 1, 2, 5).reshape(t * TILE, in_features)
+    q = (low | (hi << 4)).float() - 32
+    sc = untile(b[..., 3072:3328].contiguous().view(torch.int8).view(t, s, 16, 16)).float()
+    w = (fp16(b[..., 3328:3360]) * sc)[..., None] * q.view(-1, s, 16, 16)
+    return w.reshape(-1, in_features)
+
+
+def _from_int4_layout(blocks: torch.Tensor) -> torch.Tensor:  # [t, K/8, 64] -> q [16 t, K] uint8
+    t, nb = blocks.shape[:2]
+    b = blocks.view(t, nb, TILE, 4)  # [t, b, n, i]
+    return torch.stack((b & 15, b >> 4), -2).permute(0, 2, 1, 3, 4).reshape(t * TILE, nb * 8)

@@ -1,0 +1,193 @@
+/* qgemm's tiles in GGUF's own k-quant formats (included by qgemm.c after `tile_rows`): Q4_K and
+ * Q6_K weights repacked at load (`kquant.py`) with the file's bytes per weight, 4.5 and 6.5625
+ * bits, and read as they are: the weights are exactly the file's.
+ *
+ * A k-quant tile is 16 output channels by K inputs in super-blocks of 256 inputs; its activations
+ * are int8 with one scale per row and super-block (`struct super_consts`, as llama.cpp's Q8_K),
+ * so the integer sub-scales multiply the exact integer sums in integer arithmetic (`vpmaddwd`) and
+ * a super-block takes one float conversion per output:
+ *   Q4_K  w = d * sc_j * q - dmin * m_j           (q 0..15, sub-blocks j of 32, sc, m 0..63)
+ *         y += xs * (d * cvt(sum_j sc_j * sum(q * xq)) - dmin * cvt(sum_j m_j * sum_j(xq)))
+ *   Q6_K  w = d * sc_j * (q - 32)                 (q 0..63, sub-blocks j of 16, sc -128..127)
+ *         y += (d * xs) * cvt(sum_j sc_j * (sum(q * xq) - 32 * sum_j(xq)))
+ * Integer sums are exact and the float steps are the same 256-bit operations at every level, so
+ * every level returns bitwise the same results, and a row's result never depends on the others.
+ *
+ * Super-block layout of a tile (bytes; outputs n = 0..15; a "block" is 8 inputs x 16 outputs):
+ *   Q4_K (2304 = 16 x 144): 32 blocks of 64 B in the int4 tiles' layout (byte 4n+i: q[n][8b+i] |
+ *     q[n][8b+4+i] << 4); 128 B [j][n]: sc_j & 15 | (m_j & 15) << 4; 64 B [j/2][n]: the top two
+ *     bits of sc_j, m_j at bits 0-1, 2-3 for even j and 4-5, 6-7 for odd j; d[16], dmin[16] fp16.
+ *   Q6_K (3360 = 16 x 210): 32 blocks of 96 B: 64 B low nibbles as Q4_K's, then 32 B of top bits
+ *     (bits 2v, 2v+1 of byte i: the top two bits of value i of the block's vector v, v = 0..3 the
+ *     32-byte vectors low nibbles of bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63);
+ *     256 B sc [j][n] int8 (16 sub-blocks); d[16] fp16.
+ */
+
+#define SUPER 256
+#define Q4K_SUPER_BYTES 2304
+#define Q6K_SUPER_BYTES 3360
+#define KQUANT_PASS 2 /* rows per pass over a tile: their int32 sums and the weights fill the ymm registers */
+
+/* One row's activations over one super-block. */
+struct super_consts {
+    float scale;       /* xs */
+    int16_t sum16[16]; /* sum(xq) per 16 inputs (Q6_K's sub-blocks) */
+    int16_t sum32[8];  /* sum(xq) per 32 inputs (Q4_K's) */
+};
+
+/* i0 += madd(maddubs(w0, a) + maddubs(w2, a + 4), s0) and i1 the same with w1, w3, s1: one Q6_K
+ * block's 8 inputs of one row (a: its activations) for both halves of a tile, in int32. asm for
+ * MADDUBS_ACC2's reason (qgemm_tiles.h). */
+#define Q6K_ROW(i0, i1, w0, w1, w2, w3, s0, s1, a)                                                 \
+    do {                                                                                           \
+        __m256i t_, u_, v_, x_;                                                                    \
+        __asm__("vpbroadcastd %10, %2\n\tvpbroadcastd %11, %3\n\t"                                  \
+                "vpmaddubsw %2, %6, %4\n\tvpmaddubsw %3, %8, %5\n\tvpaddw %5, %4, %4\n\t"            \
+                "vpmaddwd %12, %4, %4\n\tvpaddd %4, %0, %0\n\t"                                       \
+                "vpmaddubsw %2, %7, %4\n\tvpmaddubsw %3, %9, %5\n\tvpaddw %5, %4, %4\n\t"            \
+                "vpmaddwd %13, %4, %4\n\tvpaddd %4, %1, %1"                                             \
+                : "+x"(i0), "+x"(i1), "=&x"(t_), "=&x"(u_), "=&x"(v_), "=&x"(x_)                      \
+                : "x"(w0), "x"(w1), "x"(w2), "x"(w3), "m"(*(const int32_t *)(a)),                      \
+                  "m"(*(const int32_t *)((a) + 4)), "x"(s0), "x"(s1));                                \
+    } while (0)
+
+/* [v[0], v[0], v[1], v[1], ...] of 16 bytes, widened to int16: outputs 0-7 (lo) or 8-15 (hi) as
+ * `vpmaddwd` pairs; `sign`: the bytes are int8, else uint8. */
+static inline __m256i pairs16_lo(__m128i v, int sign) {
+    const __m128i d = _mm_unpacklo_epi8(v, v);
+    return sign ? _mm256_cvtepi8_epi16(d) : _mm256_cvtepu8_epi16(d);
+}
+static inline __m256i pairs16_hi(__m128i v, int sign) {
+    const __m128i d = _mm_unpackhi_epi8(v, v);
+    return sign ? _mm256_cvtepi8_epi16(d) : _mm256_cvtepu8_epi16(d);
+}
+/* [a[n], b[n]] as int16 pairs for outputs 0-7 (lo) or 8-15 (hi), a and b uint8 or int8 */
+static inline __m256i zip16_lo(__m128i a, __m128i b, int sign) {
+    const __m128i d = _mm_unpacklo_epi8(a, b);
+    return sign ? _mm256_cvtepi8_epi16(d) : _mm256_cvtepu8_epi16(d);
+}
+static inline __m256i zip16_hi(__m128i a, __m128i b, int sign) {
+    const __m128i d = _mm_unpackhi_epi8(a, b);
+    return sign ? _mm256_cvtepi8_epi16(d) : _mm256_cvtepu8_epi16(d);
+}
+
+/* sc_j and m_j (6 bits, 16 outputs) of a Q4_K super-block's scales `s` */
+static inline void q4k_scales(const uint8_t *s, int j, __m128i *sc, __m128i *m) {
+    const __m128i low = _mm_loadu_si128((const __m128i *)(s + 16 * j));
+    const __m128i top = _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(s + 128 + 16 * (j / 2))), 4 * (j & 1));
+    const __m128i f = _mm_set1_epi8(0x0F), three = _mm_set1_epi8(0x03);
+    *sc = _mm_or_si128(_mm_and_si128(low, f), _mm_slli_epi16(_mm_and_si128(top, three), 4));
+    *m = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(low, 4), f), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(top, 2), three), 4));
+}
+
+/* R <= KQUANT_PASS rows (xq `k` apart, consts `supers` apart) against a Q4_K tile: lo[r], hi[r]
+ * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. */
+static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, int64_t ahead, int64_t supers,
+                                                          const int8_t *xq, const struct super_consts *sc,
+                                                          int64_t k, const int R, __m256 *lo, __m256 *hi) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *p = tile + s * Q4K_SUPER_BYTES;
+        __m128i scs[8], mins[8];
+        for (int j = 0; j < 8; j++) q4k_scales(p + 2048, j, &scs[j], &mins[j]);
+        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS], m0[KQUANT_PASS], m1[KQUANT_PASS];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
+                _mm_prefetch((const char *)p + ahead + 288 * j + 64 * line, _MM_HINT_T0);
+            __m256i s0[KQUANT_PASS], s1[KQUANT_PASS];
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+            for (int b = 0; b < 4; b++) {
+                const uint8_t *w = p + 64 * (4 * j + b);
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+                const __m256i l0 = _mm256_and_si256(v0, nibble), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+                const __m256i l1 = _mm256_and_si256(v1, nibble), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+                for (int r = 0; r < R; r++) { /* int16 pair sums: at most 8 x 2 x 15 x 127 = 30480 */
+                    const int8_t *a = xq + r * k + s * SUPER + 32 * j + 8 * b;
+                    MADDUBS_ACC2(s0[r], s1[r], l0, l1, a);
+                    MADDUBS_ACC2(s0[r], s1[r], h0, h1, a + 4);
+                }
+            }
+            const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
+            for (int r = 0; r < R; r++) {
+                i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(s0[r], sc0));
+                i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(s1[r], sc1));
+            }
+        }
+        for (int r = 0; r < R; r++) m0[r] = m1[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) { /* sum_j m_j * sum_j(xq), the mins of j and j + 1 as pairs */
+            const __m256i mp0 = zip16_lo(mins[j], mins[j + 1], 0), mp1 = zip16_hi(mins[j], mins[j + 1], 0);
+            for (int r = 0; r < R; r++) {
+                const __m256i xs = _mm256_set1_epi32(*(const int32_t *)&sc[r * supers + s].sum32[j]);
+                m0[r] = _mm256_add_epi32(m0[r], _mm256_madd_epi16(mp0, xs));
+                m1[r] = _mm256_add_epi32(m1[r], _mm256_madd_epi16(mp1, xs));
+            }
+        }
+        const uint16_t *dd = (const uint16_t *)(p + 2240);
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 8)));
+        const __m256 dm0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 16)));
+        const __m256 dm1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 24)));
+        for (int r = 0; r < R; r++) {
+            const __m256 xs = _mm256_set1_ps(sc[r * supers + s].scale);
+            const __m256 t0 = _mm256_fmsub_ps(d0, _mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(dm0, _mm256_cvtepi32_ps(m0[r])));
+            const __m256 t1 = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(dm1, _mm256_cvtepi32_ps(m1[r])));
+            lo[r] = _mm256_fmadd_ps(xs, t0, lo[r]);
+            hi[r] = _mm256_fmadd_ps(xs, t1, hi[r]);
+        }
+    }
+}
+
+/* The four 6-bit vectors of a Q6_K block at w (see the layout above). */
+static inline void q6k_block(const uint8_t *w, __m256i *v) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i a = _mm256_loadu_si256((const __m256i *)w), b = _mm256_loadu_si256((const __m256i *)(w + 32));
+    const __m256i t = _mm256_loadu_si256((const __m256i *)(w + 64));
+    v[0] = _mm256_or_si256(_mm256_and_si256(a, nibble), _mm256_and_si256(_mm256_slli_epi16(t, 4), top));
+    v[1] = _mm256_or_si256(_mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_slli_epi16(t, 2), top));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(a, 4), nibble), _mm256_and_si256(t, top));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nibble), _mm256_and_si256(_mm256_srli_epi16(t, 2), top));
+}
+
+/* q6k_rows: as q4k_rows, for a Q6_K tile. */
+static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *tile, int64_t ahead, int64_t supers,
+                                                          const int8_t *xq, const struct super_consts *sc,
+                                                          int64_t k, const int R, __m256 *lo, __m256 *hi) {
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *p = tile + s * Q6K_SUPER_BYTES, *scales = p + 3072;
+        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 16; j++) {
+            for (int line = 0; line < 4; line++) /* 210 bytes a sub-block: the super-block's share */
+                _mm_prefetch((const char *)p + ahead + 210 * j + 64 * line, _MM_HINT_T0);
+            const __m128i scj = _mm_loadu_si128((const __m128i *)(scales + 16 * j));
+            const __m256i sc0 = pairs16_lo(scj, 1), sc1 = pairs16_hi(scj, 1);
+            for (int b = 0; b < 2; b++) {
+                __m256i v[4];
+                q6k_block(p + 96 * (2 * j + b), v);
+                for (int r = 0; r < R; r++) /* int16 pair sums: at most 2 x 2 x 63 x 127 = 32004 */
+                    Q6K_ROW(i0[r], i1[r], v[0], v[1], v[2], v[3], sc0, sc1, xq + r * k + s * SUPER + 16 * j + 8 * b);
+            }
+        }
+        for (int j = 0; j < 16; j += 2) { /* minus 32 * sum_j sc_j * sum_j(xq) */
+            const __m128i a = _mm_loadu_si128((const __m128i *)(scales + 16 * j));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(scales + 16 * j + 16));
+            const __m256i sp0 = _mm256_slli_epi16(zip16_lo(a, b, 1), 5), sp1 = _mm256_slli_epi16(zip16_hi(a, b, 1), 5);
+            for (int r = 0; r < R; r++) {
+                const __m256i xs = _mm256_set1_epi32(*(const int32_t *)&sc[r * supers + s].sum16[j]);
+                i0[r] = _mm256_sub_epi32(i0[r], _mm256_madd_epi16(sp0, xs));
+                i1[r] = _mm256_sub_epi32(i1[r], _mm256_madd_epi16(sp1, xs));
+            }
+        }
+        const uint16_t *dd = (const uint16_t *)(p + 3328);
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 8)));
+        for (int r = 0; r < R; r++) {
+            const __m256 xs = _mm256_set1_ps(sc[r * supers + s].scale);
+            lo[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), _mm256_cvtepi32_ps(i0[r]), lo[r]);
+            hi[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), _mm256_cvtepi32_ps(i1[r]), hi[r]);
+        }
+    }
+}
