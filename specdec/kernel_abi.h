@@ -107,6 +107,9 @@ int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *la
 int int4_quantize_rows(const float *w, int64_t n, int64_t k, int64_t group, int32_t *q, uint16_t *scales_and_zeros,
                        int64_t sz_rows, int with_error, double *err_sq, int threads);
 
+/* target/quant/kquant_pack.c */
+int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, int kind, uint8_t *out, int threads);
+
 /* specdec/kernel_abi.c (every library): the layout table and its length. */
 int64_t specdec_abi_version(void);
 const struct specdec_abi_entry *specdec_abi_layout(int64_t *count);

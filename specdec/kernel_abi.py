@@ -146,6 +146,8 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
                             _F, _P, _P, _P, _P, _I64, _I]),
     # w, n, k, group, q, scales_and_zeros, sz_rows, with_error, err_sq, threads
     "int4_quantize_rows": (_I, [_P, _I64, _I64, _I64, _P, _P, _I64, _I, _P, _I]),
+    # raw, row_stride, n, k, kind, out, threads
+    "kquant_pack": (_I, [_P, _I64, _I64, _I64, _I, _P, _I]),
     # bytes, threads, repeats, out (bytes/s)
     "roofline_read_bandwidth": (_I, [_I64, _I, _I, ctypes.POINTER(ctypes.c_double)]),
     # rounds, threads, out (multiply-adds/s)

@@ -46,6 +46,11 @@ class CheckpointReader(Protocol):
     def rows_in_place(self, name: str) -> str | None:
         """The GGUF name of tensor `name` where its rows can be looked up as stored, else None."""
 
+    def blocks(self, name: str) -> tuple[np.ndarray, int] | None:
+        """Tensor `name` as the file stores it, `(raw [out, row bytes] uint8, ggml type)`, where
+        those bytes are its values (a GGUF tensor no processor changes, or one expert of a stacked
+        one), else None."""
+
     def release_pages(self) -> None:
         """Stop holding the file pages read so far as this process's memory (they stay cached)."""
 
@@ -108,6 +113,9 @@ class SafetensorsCheckpoint:
     def rows_in_place(self, name: str) -> None:
         return None  # safetensors tables are read whole
 
+    def blocks(self, name: str) -> None:
+        return None  # no quantized blocks
+
     def read(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
@@ -157,6 +165,15 @@ class GGUFCheckpoint:
 
         gguf_name = self._gguf_name.get(name)
         return gguf_name if gguf_name is not None and plain_rows(self._processor, self.file, gguf_name) else None
+
+    def blocks(self, name: str) -> tuple[np.ndarray, int] | None:
+        if name in self._expert:
+            gguf_name, e = self._expert[name]
+            return self.file.raw(gguf_name)[e], self.file.tensors[gguf_name].ggml_type
+        gguf_name = self._gguf_name.get(name)
+        if gguf_name is None or self.rows_in_place(name) is None:
+            return None
+        return self.file.raw(gguf_name), self.file.tensors[gguf_name].ggml_type
 
     def release_pages(self) -> None:
         self.file.data.release_pages()

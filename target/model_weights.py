@@ -19,7 +19,8 @@ from specdec.target.gguf_file import GGUFFile
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.cache_file import load_quantized, quant_cache_path, save_quantized
 from specdec.target.quant.convert import prepare_quantized
-from specdec.target.quant.formats import MODES
+from specdec.target.quant.formats import MODES, format_of
+from specdec.target.quant.qlinear import QLinear
 from specdec.target.quant.shipped_stats import load_shipped
 from specdec.target.quant.smoothing import calibration_text
 from specdec.target.quantized_stream import calibration_forward, stream_quantized
@@ -64,7 +65,12 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
         raise ValueError("the int4 / w8a8 kernels are CPU only; use quantization 'none' on GPU")
     path = quant_cache_path(model_dir, quant, dtype)
     if not path.exists():
-        _quantize_to_cache(model_dir, dtype, quant, path)
+        model = _quantize_to_cache(model_dir, dtype, quant, path)
+        if model is not None:  # the file's blocks as stored: nothing worth a cache
+            model = _finish(model, device)
+            prepare_quantized(model)
+            release_freed_memory()
+            return model
     with torch.device("meta"):
         model = LlamaForCausalLM(load_config(model_dir))
     model = _finish(load_quantized(model, path, lambda: GGUFFile.open(gguf_paths(model_dir))), device)
@@ -73,11 +79,15 @@ def _load_quantized(model_dir: Path, dtype: torch.dtype, device, quant: str) -> 
     return model
 
 
-def _quantize_to_cache(model_dir: Path, dtype: torch.dtype, quant: str, path: Path) -> None:
+def _quantize_to_cache(model_dir: Path, dtype: torch.dtype, quant: str, path: Path) -> LlamaForCausalLM | None:
     """Quantize the model into its cache file. The model is then loaded from that file as every
     later load does: the same bytes, and none of the quantization's memory kept (it held the
     quantized model beside the mapped GGUF and the copies that packing makes: 5.8 GB peak for the
-    default target, against 3.0 GB for a whole later run)."""
+    default target, against 3.0 GB for a whole later run).
+
+    Where no linear was re-quantized (mode "gguf" on a GGUF of Q4_K / Q6_K tensors: every one
+    repacked as stored, ~2 s for the default target) nothing is cached: the model is returned, and
+    every load is a first load."""
     # Quantize from float32 read tensor by tensor: a bf16 copy would knock Q4_K weights off
     # their 4-bit grid, and a whole float32 model would be 4x the packed one.
     start = time.perf_counter()
@@ -86,6 +96,10 @@ def _quantize_to_cache(model_dir: Path, dtype: torch.dtype, quant: str, path: Pa
         model_dir, load_config(model_dir), quant, dtype, lambda: calibration_ids(model_dir), stats=shipped
     )
     finish_check(model_dir)  # nothing derived from unchecked bytes is cached
+    if not any(_requantized(m) for m in model.modules()):
+        print(f"specdec: read {model_dir.name}'s quantized blocks as stored ({quant}) in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        return model
     written = time.perf_counter()
     save_quantized(model, path)
     seconds["write"] = time.perf_counter() - written
@@ -97,6 +111,14 @@ def _quantize_to_cache(model_dir: Path, dtype: torch.dtype, quant: str, path: Pa
     del model
     gc.collect()
     release_freed_memory()
+    return None
+
+
+def _requantized(module: torch.nn.Module) -> bool:
+    """Whether `module` is a linear whose weights were quantized here (not taken as stored)."""
+    if format_of(module) is None:
+        return False
+    return not (isinstance(module, QLinear) and bool((module.tile_bits > 8).all()))
 
 
 def release_freed_memory() -> None:

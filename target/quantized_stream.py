@@ -31,8 +31,10 @@ from specdec.target.config import ModelConfig
 from specdec.target.gguf_embedding import GGUFEmbedding
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.convert import quantize_linears, untie_lm_head
+from specdec.target.quant import kquant
 from specdec.target.quant.formats import MODES, linear_kind
 from specdec.target.quant.qgemm import require_qgemm
+from specdec.target.quant.qlinear import QLinear
 from specdec.target.quant.smoothing import recording_absmax, smooth_head, smooth_layer
 from specdec.target.runner import ModelRunner, Window
 
@@ -91,6 +93,8 @@ class _LayerLoader:
             if gguf_name is not None and type(self.model.model.embed_tokens) is nn.Embedding:
                 self.model.model.embed_tokens = GGUFEmbedding(self.reader.file, gguf_name, torch.float32)
                 return
+        if MODES[self.mode].file_blocks:
+            self._take_file_blocks(prefix)
         with _plain_tensors():
             for name, param in list(self.model.named_parameters()):
                 if param.is_meta and (name == prefix or name.startswith(prefix + ".")):
@@ -99,6 +103,22 @@ class _LayerLoader:
                     setattr(self.model.get_submodule(module), attr, nn.Parameter(tensor, requires_grad=False))
         self.reader.release_pages()  # read once: the float32 copies are what the next step uses
         self.seconds["read"] += time.perf_counter() - start
+
+    def _take_file_blocks(self, prefix: str) -> None:
+        """The linears under `prefix` whose GGUF blocks the kernel reads as stored (Q4_K, Q6_K on
+        whole tiles) become k-quant `QLinear`s straight from the file: no float copy is made."""
+        for name, module in list(self.model.named_modules()):
+            if type(module) is not nn.Linear or getattr(module, "keep_dense", False) or not module.weight.is_meta:
+                continue
+            if not (name == prefix or name.startswith(prefix + ".")):
+                continue
+            found = self.reader.blocks(self.sources[f"{name}.weight"])
+            if found is None or not kquant.fits(found[1], module.out_features, module.in_features):
+                continue
+            bias = None if module.bias is None else self.reader.read(self.sources[f"{name}.bias"]).float()
+            parent, _, attr = name.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, attr,
+                    QLinear.from_gguf(found[0], found[1], module.in_features, bias))
 
     def convert(self, prefix: str) -> None:
         """Quantize the linears under `prefix`, cast its other parameters to the model dtype."""

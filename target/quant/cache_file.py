@@ -35,7 +35,7 @@ from specdec.target.quant.formats import FORMATS, linear_kind
 # smoothing and its calibration text, this file's manifest, and the kernel that reads the tiles.
 LAYOUT_SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("int4.py", "int8.py", "qlinear.py", "formats.py", "convert.py", "smoothing.py",
+    for name in ("int4.py", "int8.py", "qlinear.py", "kquant.py", "formats.py", "convert.py", "smoothing.py",
                  "calibration.txt", "cache_file.py", "qgemm.c")
 ) + (Path(__file__).parent.parent / "gguf_embedding.py",)
 
