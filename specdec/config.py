@@ -63,9 +63,10 @@ class EngineConfig:
     max_prefill_chunk: int = 2048
     # CPU quantization (`target.quant.formats.MODES`); None: the loader picks per model
     # (`engine_parts.resolve_config`). On the CPU in bfloat16, where specdec's C kernel runs
-    # (`target.quant.qgemm`: AVX-512 VNNI, AVX-VNNI or AVX2, bitwise the same), the target takes "w4a8-auto" (GGUF Q4_K tensors stay exactly
-    # int4, the rest int8, activations int8 per group of 32: 1.4-1.5x faster than "w8a8" for one
-    # row and KL 0.0015 vs 0.0097 nats/token from the GGUF weights, see README) and the draft "w4a8"
+    # (`target.quant.qgemm`: AVX-512 VNNI, AVX-VNNI or AVX2, bitwise the same), the target takes "gguf"
+    # (a GGUF's Q4_K / Q6_K tensors read as stored, the file's bytes and values, activations int8
+    # per 256 inputs; anything else as "w4a8-auto": int4 where on the 4-bit grid, else int8,
+    # activations int8 per group of 32) and the draft "w4a8"
     # (int4 everywhere; a draft only proposes, so its rounding cannot change the output
     # distribution). Without the kernel: target "w8a8" (fbgemm int8 after SmoothQuant), draft
     # "int4+w8a8" (torch's int4 kernel plus an int8 copy for windows of 5+ rows). Elsewhere "none".

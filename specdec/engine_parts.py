@@ -40,7 +40,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     """`config` with the quantization of each model chosen where it is None.
 
     On the CPU in bfloat16, where the C kernel runs (`quant.qgemm`: AVX2 or better, built here
-    once, ~2 s), the target takes "w4a8-auto" and the draft "w4a8"; without the kernel "w8a8" and
+    once, ~2 s), the target takes "gguf" (a GGUF's Q4_K / Q6_K blocks as stored, "w4a8-auto" for
+    anything else) and the draft "w4a8"; without the kernel "w8a8" and
     "int4+w8a8"; elsewhere "none" (see `EngineConfig.target_quant`). Families the quantized
     path does not implement (Gemma, Phi-3) take "none", logged (`family_quant`).
     """
@@ -48,7 +49,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     both_chosen = config.target_quant is not None and config.draft_quant is not None
     if not both_chosen and config.dtype == "bfloat16" and config.resolved_device() == "cpu":
         kernel = load_qgemm() is not None
-        target, draft = ("w4a8-auto", "w4a8") if kernel else ("w8a8", "int4+w8a8")
+        target, draft = ("gguf", "w4a8") if kernel else ("w8a8", "int4+w8a8")
     return dataclasses.replace(
         config,
         target_quant=family_quant(config.target, target, config.target_quant),

@@ -62,7 +62,8 @@ def stream_quantized(
     untie_lm_head(model)  # on meta: the head is read from the file like any other tensor
     with open_checkpoint(model_dir) as reader:
         layers = _LayerLoader(model, reader, mode, dtype)
-        bar = tqdm(total=config.num_layers + 1, desc=f"quantizing to {mode} (once; cached)", unit="layer",
+        what = "reading Q4_K / Q6_K blocks as stored" if quant.file_blocks else f"quantizing to {mode} (once; cached)"
+        bar = tqdm(total=config.num_layers + 1, desc=what, unit="layer",
                    leave=False, disable=not progress)
         with bar:
             if quant.smooth and stats is not None:

@@ -26,7 +26,7 @@
 #define SUPER 256
 #define Q4K_SUPER_BYTES 2304
 #define Q6K_SUPER_BYTES 3360
-#define KQUANT_PASS 2 /* rows per pass over a tile: their int32 sums and the weights fill the ymm registers */
+#define KQUANT_PASS 3 /* rows per pass over a tile: their int32 sums and the weights fill the ymm registers */
 
 /* One row's activations over one super-block. */
 struct super_consts {
@@ -35,10 +35,10 @@ struct super_consts {
     int16_t sum32[8];  /* sum(xq) per 32 inputs (Q4_K's) */
 };
 
-/* i0 += madd(maddubs(w0, a) + maddubs(w2, a + 4), s0) and i1 the same with w1, w3, s1: one Q6_K
- * block's 8 inputs of one row (a: its activations) for both halves of a tile, in int32. asm for
- * MADDUBS_ACC2's reason (qgemm_tiles.h). */
-#define Q6K_ROW(i0, i1, w0, w1, w2, w3, s0, s1, a)                                                 \
+/* i0 += madd(maddubs(w0, a) + maddubs(w2, a + 4), s0) and i1 the same with w1, w3, s1: one
+ * block's 8 inputs of one row (a: its activations; w0, w1 the halves' first 4 inputs, w2, w3 their
+ * last 4) times the sub-block's scales, in int32. asm for MADDUBS_ACC2's reason (qgemm_tiles.h). */
+#define KQ_ROW(i0, i1, w0, w1, w2, w3, s0, s1, a)                                                 \
     do {                                                                                           \
         __m256i t_, u_, v_, x_;                                                                    \
         __asm__("vpbroadcastd %10, %2\n\tvpbroadcastd %11, %3\n\t"                                  \
@@ -96,23 +96,14 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, 
         for (int j = 0; j < 8; j++) {
             for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
                 _mm_prefetch((const char *)p + ahead + 288 * j + 64 * line, _MM_HINT_T0);
-            __m256i s0[KQUANT_PASS], s1[KQUANT_PASS];
-            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+            const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
             for (int b = 0; b < 4; b++) {
                 const uint8_t *w = p + 64 * (4 * j + b);
                 const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
                 const __m256i l0 = _mm256_and_si256(v0, nibble), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
                 const __m256i l1 = _mm256_and_si256(v1, nibble), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
-                for (int r = 0; r < R; r++) { /* int16 pair sums: at most 8 x 2 x 15 x 127 = 30480 */
-                    const int8_t *a = xq + r * k + s * SUPER + 32 * j + 8 * b;
-                    MADDUBS_ACC2(s0[r], s1[r], l0, l1, a);
-                    MADDUBS_ACC2(s0[r], s1[r], h0, h1, a + 4);
-                }
-            }
-            const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
-            for (int r = 0; r < R; r++) {
-                i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(s0[r], sc0));
-                i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(s1[r], sc1));
+                for (int r = 0; r < R; r++) /* int16 pair sums: at most 2 x 2 x 15 x 127 = 7620 */
+                    KQ_ROW(i0[r], i1[r], l0, l1, h0, h1, sc0, sc1, xq + r * k + s * SUPER + 32 * j + 8 * b);
             }
         }
         for (int r = 0; r < R; r++) m0[r] = m1[r] = _mm256_setzero_si256();
@@ -168,7 +159,7 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *tile, 
                 __m256i v[4];
                 q6k_block(p + 96 * (2 * j + b), v);
                 for (int r = 0; r < R; r++) /* int16 pair sums: at most 2 x 2 x 63 x 127 = 32004 */
-                    Q6K_ROW(i0[r], i1[r], v[0], v[1], v[2], v[3], sc0, sc1, xq + r * k + s * SUPER + 16 * j + 8 * b);
+                    KQ_ROW(i0[r], i1[r], v[0], v[1], v[2], v[3], sc0, sc1, xq + r * k + s * SUPER + 16 * j + 8 * b);
             }
         }
         for (int j = 0; j < 16; j += 2) { /* minus 32 * sum_j sc_j * sum_j(xq) */

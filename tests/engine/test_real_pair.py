@@ -64,7 +64,7 @@ CHAT_PROMPTS = [
 
 
 def test_bf16_speculative_equals_target_only_at_every_level(monkeypatch):
-    """The default configuration (bf16, `w4a8-auto` / `w4a8` on the C kernels) at each level this
+    """The default configuration (bf16, `gguf` / `w4a8` on the C kernels) at each level this
     machine runs, held with `SPECDEC_ISA` (all three on an AVX-512 VNNI CPU): speculative greedy
     output equals target-only output token for token (issue 26: 1 prompt of 12 on an AVX2 CPU
     before the AVX2 kernels), and every level writes the same tokens."""

@@ -44,7 +44,8 @@ def _k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.n
     return blocks.reshape(rows, -1)
 
 
-def _write_qwen2_gguf(path, tokenizer, tie: bool) -> None:
+def _write_qwen2_gguf(path, tokenizer, tie: bool, k_quants_only: bool = False) -> None:
+    """`k_quants_only`: the Q8_0 / Q5_0 / F16 matrices written as Q4_K instead."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -63,6 +64,8 @@ def _write_qwen2_gguf(path, tokenizer, tie: bool) -> None:
     writer.add_tokenizer_pre("qwen2")
 
     def add(name: str, kind: str, rows: int, cols: int | None = None) -> None:
+        if k_quants_only and cols and kind in ("Q8_0", "Q5_0", "F16"):
+            kind = "Q4_K"
         if kind in ("Q4_K", "Q6_K"):
             writer.add_tensor(name, _k_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
             return

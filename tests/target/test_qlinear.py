@@ -211,11 +211,11 @@ def test_without_the_kernel_w4a8_says_why_and_defaults_fall_back(monkeypatch):
 def test_kernel_defaults_where_it_runs(monkeypatch):
     monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
     config = resolve_config(EngineConfig(dtype="bfloat16", device="cpu"))
-    assert (config.target_quant, config.draft_quant) == ("w4a8-auto", "w4a8")
+    assert (config.target_quant, config.draft_quant) == ("gguf", "w4a8")
     assert resolve_config(EngineConfig(dtype="float32", device="cpu")).target_quant == "none"
     # no draft model at all (a model-free proposer, or none): its quantization is the default's
     config = resolve_config(EngineConfig(draft=None, proposer="ngram", dtype="bfloat16", device="cpu"))
-    assert (config.target_quant, config.draft_quant) == ("w4a8-auto", "w4a8")
+    assert (config.target_quant, config.draft_quant) == ("gguf", "w4a8")
 
 
 def _tiny_bf16_pair(tmp_path):

@@ -1,0 +1,163 @@
+"""GGUF Q4_K / Q6_K tiles (`kquant.py`, `kquant_tiles.h`): the file's weights exactly, what the
+kernel computes with them, batch invariance, fusion with the other formats, refusals, and the
+"gguf" loading mode that takes them from the mapped file."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from specdec.kernel_abi import TILE_Q4_K, TILE_Q6_K
+from specdec.target.quant import kquant, qgemm
+from specdec.target.quant.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
+
+pytestmark = pytest.mark.skipif(
+    qgemm.unavailable_reason() is not None, reason=f"w4a8 kernel unavailable: {qgemm.unavailable_reason()}"
+)
+KINDS = {TILE_Q4_K: T.Q4_K, TILE_Q6_K: T.Q6_K}
+
+
+def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random valid blocks `[rows, cols / 256 * block bytes]`: every quant code and sub-scale,
+    fp16 super-block scales spread over four decades (gguf cannot quantize to k-quants)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, kquant.BLOCK_BYTES[kind]), dtype=np.uint8)
+    scales = (10.0 ** rng.uniform(-5, -1, (rows, cols // 256, 2))).astype(np.float16).view(np.uint8)
+    if kind == TILE_Q4_K:  # d, dmin (fp16), scales[12], qs[128]
+        blocks[..., 0:4] = scales.reshape(rows, cols // 256, 4)
+    else:  # ql[128], qh[64], scales[16] int8, d (fp16)
+        blocks[..., 208:210] = scales[..., :2]
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiles_hold_exactly_the_files_weights_in_the_files_bytes(kind):
+    raw = k_blocks(kind, 48, 768)
+    q = QLinear.from_gguf(raw, kind, 768, None)
+    assert q.tiles.numel() == raw.nbytes  # 4.5 / 6.5625 bits a weight, as the file
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]))
+    assert torch.equal(dequantize(q), expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_c_packer_gives_the_torch_packers_bytes(kind):
+    raw = k_blocks(kind, 64, 512, seed=3)
+    assert kquant.PACKER.load() is not None
+    assert torch.equal(kquant.pack_kquant(raw, kind), kquant.pack_kquant_torch(raw, kind))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
+def test_kernel_computes_the_product_with_activations_per_256(kind, dtype, rows, simd_level):
+    g = torch.Generator().manual_seed(rows)
+    q = QLinear.from_gguf(k_blocks(kind, 32, 512, seed=1), kind, 512, torch.randn(32, generator=g))
+    x = (torch.randn(rows, 512, generator=g) * 3).to(dtype)
+    y, ref = q(x).float(), reference_qgemm(x.float(), q)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert ((y - ref).norm() / ref.norm()) < tol
+    assert torch.equal(q(x), torch.cat([q(x[i : i + 1]) for i in range(rows)]))  # batch invariant
+
+
+def test_fused_epilogues_and_mixed_formats_match_their_parts(simd_level):
+    """A k-quant tile beside int4 / int8 tiles in one fused linear (Q4_K_M's q/k/v: Q4_K, Q4_K,
+    Q6_K): each part's outputs bitwise what it gives alone, with the norm, GLU and residual fused."""
+    g = torch.Generator().manual_seed(7)
+    parts = [QLinear.from_gguf(k_blocks(TILE_Q4_K, 32, 256, seed=4), TILE_Q4_K, 256, None),
+             QLinear.from_gguf(k_blocks(TILE_Q6_K, 16, 256, seed=5), TILE_Q6_K, 256, torch.randn(16, generator=g)),
+             QLinear.from_weight(torch.randn(16, 256, generator=g) * 0.05, None, int4_max_error=0.0)]
+    fused = fuse_qlinear(parts)
+    assert set(fused.tile_bits.tolist()) == {TILE_Q4_K, TILE_Q6_K, 8}
+    x, norm = torch.randn(5, 256, generator=g).bfloat16(), (torch.rand(256, generator=g) + 0.5).bfloat16()
+    gate_up = torch.randn(5, 512, generator=g).bfloat16()
+    residual = torch.randn(5, 64, generator=g).bfloat16()
+    for call in (lambda m, r: m(x), lambda m, r: m(gate_up, glu=True),
+                 lambda m, r: m(x, norm_weight=norm, eps=1e-6, residual=r)):
+        whole = call(fused, residual)
+        ends = [0, 32, 48, 64]
+        pieces = [call(p, residual[:, a:b]) for p, a, b in zip(parts, ends, ends[1:])]
+        assert torch.equal(whole, torch.cat(pieces, -1))
+
+
+def test_kquant_tiles_off_the_super_block_grid_are_refused():
+    raw = k_blocks(TILE_Q4_K, 16, 256)
+    with pytest.raises(ValueError, match="in_features % 256"):
+        QLinear.from_gguf(raw[:, :144], TILE_Q4_K, 128, None)
+    q = QLinear.from_gguf(raw, TILE_Q4_K, 256, None)
+    q.tiles = q.tiles[:-1].clone()
+    with pytest.raises(ValueError, match="outside tiles"):
+        q(torch.randn(1, 256))
+
+
+def _tiny_gguf(tmp_path, monkeypatch, k_quants_only: bool):
+    from specdec.target.model_files import resolve_model
+    from tests.target.conftest import build_tiny_tokenizer
+    from tests.target.test_gguf_streaming import _write_qwen2_gguf
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-qwen2.gguf"
+    _write_qwen2_gguf(path, build_tiny_tokenizer(), tie=False, k_quants_only=k_quants_only)
+    return resolve_model(str(path), progress=False)
+
+
+def test_gguf_mode_reads_k_quant_tensors_as_stored(tmp_path, monkeypatch):
+    """Mode "gguf" on a GGUF of Q4_K / Q6_K / Q8_0 / Q5_0 tensors: the k-quant ones become tiles
+    holding the file's values exactly, the rest "w4a8-auto" tiles, cached like any mode."""
+    from specdec.target.model_weights import load_model
+    from specdec.target.quant.cache_file import quant_cache_path
+    from tests.target.test_gguf_streaming import _prompt_inputs
+
+    folder = _tiny_gguf(tmp_path, monkeypatch, k_quants_only=False)
+    dense = load_model(folder, torch.float32)
+    model = load_model(folder, torch.bfloat16, quant="gguf")
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    qkv = getattr(attn, "qkv_proj", None)
+    assert qkv is not None and {TILE_Q4_K, TILE_Q6_K} <= set(qkv.tile_bits.tolist())  # q, k Q4_K; v Q6_K
+    d = dense.model.layers[1]
+    expected = torch.cat([d.self_attn.q_proj.weight, d.self_attn.k_proj.weight, d.self_attn.v_proj.weight])
+    assert torch.equal(dequantize(qkv), expected)
+    assert torch.equal(dequantize(mlp.down_proj), d.mlp.down_proj.weight)  # Q6_K
+    assert set(model.model.layers[1].self_attn.o_proj.tile_bits.tolist()) <= {4, 8}  # Q8_0: re-quantized
+    assert quant_cache_path(folder, "gguf", torch.bfloat16).exists()
+    assert model(*_prompt_inputs(model)).isfinite().all()
+
+
+def test_a_model_wholly_in_k_quants_loads_without_a_cache_and_answers_as_a_cached_one(tmp_path, monkeypatch):
+    from specdec.target.model_weights import load_model
+    from specdec.target.quant.cache_file import quant_cache_path
+    from tests.target.test_gguf_streaming import _prompt_inputs
+
+    folder = _tiny_gguf(tmp_path, monkeypatch, k_quants_only=True)
+    first = load_model(folder, torch.bfloat16, quant="gguf")
+    assert not quant_cache_path(folder, "gguf", torch.bfloat16).exists()
+    again = load_model(folder, torch.bfloat16, quant="gguf")
+    inputs = _prompt_inputs(first)
+    assert torch.equal(first(*inputs), again(*inputs))
+
+
+def test_every_level_computes_kquant_tiles_bitwise_the_same(monkeypatch):
+    """The k-quant tiles run one 256-bit source at every level: the AVX-512 VNNI, AVX-VNNI and
+    AVX2 builds agree bit for bit (1 to 13 rows, each fusion). Compares the levels this machine runs."""
+    from tests.conftest import MACHINE_LEVELS
+
+    if len(MACHINE_LEVELS) < 2:
+        pytest.skip(f"one level runs here ({MACHINE_LEVELS}): nothing to compare")
+    g = torch.Generator().manual_seed(9)
+    x, gate_up = torch.randn(13, 512, generator=g), torch.randn(13, 1024, generator=g) * 30
+    norm, residual = torch.rand(512, generator=g) + 0.5, torch.randn(13, 32, generator=g)
+    results = {}
+    for level in MACHINE_LEVELS:
+        monkeypatch.setenv("SPECDEC_ISA", level)
+        out = []
+        for kind in KINDS:
+            q = QLinear.from_gguf(k_blocks(kind, 32, 512, seed=kind), kind, 512, None)
+            for rows in (1, 3, 4, 13):
+                a, b, r = x[:rows].bfloat16(), gate_up[:rows].bfloat16(), residual[:rows].bfloat16()
+                out += [q(a), q(b, glu=True), q(a, norm_weight=norm.bfloat16(), eps=1e-6, residual=r)]
+        results[level] = out
+    first = MACHINE_LEVELS[0]
+    for level in MACHINE_LEVELS[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[first], results[level])), (first, level)
