@@ -36,6 +36,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-stop-confidence", type=float, default=EngineConfig.draft_stop_confidence, metavar="P",
                    help="with adaptive k, a sequence stops drafting once the draft's probability "
                         "of its drafts so far falls below P (0: never)")
+    g.add_argument("--draft-vocab", type=_draft_vocab, default="auto", metavar="N|full|auto",
+                   help="the draft's LM head over the N most frequent ids (lossless: the target "
+                        "verifies every token); auto: 32768 where a frequency table ships for the "
+                        "tokenizer (the default pair's does), else full")
     g.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="bfloat16")
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -75,6 +79,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"{EngineConfig.max_prefill_chunk})")
 
 
+def _draft_vocab(value: str) -> int | str:
+    if value in ("auto", "full"):
+        return value
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of ids, 'full' or 'auto', got {value!r}")
+    return size
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         target=args.target,
@@ -83,6 +99,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         adaptive_k=not args.fixed_k,
         draft_stop_confidence=args.draft_stop_confidence,
+        draft_vocab=args.draft_vocab,
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("`specdec chat` needs a model whose tokenizer has a chat template (an "
                          "instruct model); `specdec generate --no-chat` completes plain text")
     if not args.quiet_stats:
-        err.print(f"[dim]{loaded_line(load_s, warm_s)} · {describe_engine(config)} · {engine.memory_line()}[/dim]")
+        err.print(f"[dim]{loaded_line(load_s, warm_s)} · {describe_engine(config, engine)} · {engine.memory_line()}[/dim]")
     err.print(f"[dim]{HELP}[/dim]")
     if args.show_acceptance:
         err.print(LEGEND)

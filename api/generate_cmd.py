@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     chat = args.chat if args.chat is not None else _is_chat(engine)
     prompt_ids = [engine.encode(p, chat=chat) for p in args.prompts]
     if not args.quiet_stats:
-        err.print(f"[dim]{loaded_line(load_s, warm_s)} · {describe_engine(config)} · chat={chat} · "
+        err.print(f"[dim]{loaded_line(load_s, warm_s)} · {describe_engine(config, engine)} · chat={chat} · "
                   f"{engine.memory_line()}[/dim]")
     out = Console(highlight=False, soft_wrap=True)
     printer = StreamPrinter(out, err, len(prompt_ids), args.show_acceptance, not args.quiet_stats,
@@ -145,12 +145,16 @@ def loaded_line(load_s: float, warm_s: float | None) -> str:
     return f"loaded in {load_s:.1f}s" + (f", warmed up in {warm_s:.1f}s" if warm_s is not None else "")
 
 
-def describe_engine(config: EngineConfig) -> str:
-    """The loaded line's summary of a config: proposer and k, dtype, prefix caching if off, and on
-    the CPU what runs the C kernels ("kernels: avx2 (SPECDEC_ISA=avx2; this CPU: avx512-vnni)")."""
+def describe_engine(config: EngineConfig, engine=None) -> str:
+    """The loaded line's summary of a config: proposer and k, the draft's vocabulary where its head
+    is cut (`engine`), dtype, prefix caching if off, and on the CPU what runs the C kernels
+    ("kernels: avx2 (SPECDEC_ISA=avx2; this CPU: avx512-vnni)")."""
     from specdec import native
 
     mode = "target only" if not config.speculative else f"{config.proposer} proposer, k={config.num_speculative_tokens}"
+    for runner in (engine.runners[1:] if engine is not None else []):
+        if (ids := getattr(runner.model, "head_ids", None)) is not None:
+            mode += f", draft vocab {len(ids)}/{runner.model.config.vocab_size}"
     text = f"{mode} · {config.dtype}"
     if not config.enable_prefix_caching:
         text += " · prefix caching off"

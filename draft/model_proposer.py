@@ -8,6 +8,7 @@ from specdec.cache import BlockPool
 from specdec.draft.base import (
     DraftOutput, DraftSequence, ForcingConstraint, SamplingTensors, StepPlan, StepTimings,
 )
+from specdec.draft.vocab import expand_logits
 from specdec.target.runner import ModelRunner, Window
 from specdec.verify import sample
 
@@ -30,6 +31,9 @@ class DraftModelProposer:
     sampling stays exact. `num_draft` is then a cap, and `DraftOutput.num_draft` what was drafted.
 
     While `timings.enabled`, every forward appends (rows fed, seconds) to `timings.draft`.
+
+    A draft whose LM head covers part of the vocabulary (`draft.vocab.restrict_head`) has its
+    logits put back in the full vocabulary, zero probability outside the set (`expand_logits`).
     """
 
     def __init__(
@@ -201,10 +205,12 @@ class DraftModelProposer:
         raw = (logits.gather(1, tokens[:, None]).squeeze(1).float() - torch.logsumexp(logits.float(), -1)).exp()
         return torch.where(greedy, raw, q)
 
-    def _forward(self, windows: list[Window]) -> torch.Tensor:
+    def _forward(self, windows: list[Window]) -> torch.Tensor:  # [A, V]
         rows = sum(len(w.token_ids) for w in windows)
+        model = self.runner.model
         with self.timings.timing(self.timings.draft, rows, self.runner.device):
-            return self.runner.forward(windows)
+            logits = self.runner.forward(windows)  # [A, V], or [A, N] over model.head_ids
+            return expand_logits(logits, getattr(model, "head_ids", None), model.config.vocab_size)
 
     @staticmethod
     def _catch_up(seq: DraftSequence, forced: list[int]) -> Window:

@@ -34,6 +34,10 @@ class EngineConfig:
     # falls below this (0: never; see DraftModelProposer); the policy then only decides whether
     # to draft, and the cap (num_speculative_tokens) bounds how far.
     draft_stop_confidence: float = 0.5
+    # The draft's LM head over a frequent vocabulary (`draft.vocab`: FR-Spec, lossless): a number of
+    # ids (rounded up to 16), "full", or "auto": `draft.vocab.DEFAULT_SIZE` ids where a shipped
+    # frequency table matches the tokenizer, else full.
+    draft_vocab: int | str = "auto"
     dtype: str = "bfloat16"
     device: str = "auto"
     block_size: int = 16
@@ -84,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
         if not 0.0 <= self.draft_stop_confidence < 1.0:
             raise ValueError(f"draft_stop_confidence must be in [0, 1), got {self.draft_stop_confidence}")
+        if self.draft_vocab not in ("auto", "full") and not (isinstance(self.draft_vocab, int) and self.draft_vocab > 0):
+            raise ValueError(f"draft_vocab must be a positive number of ids, 'full' or 'auto', got {self.draft_vocab!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -16,6 +16,7 @@ import torch
 from specdec import native
 from specdec.cache import cpu_attention
 from specdec.config import EngineConfig
+from specdec.draft import vocab
 from specdec.target.default_pair import finish_check
 from specdec.target.family_quant import family_quant
 from specdec.target.model_files import resolve_model
@@ -77,12 +78,29 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
         if not same_tokenizer_files(target_dir, draft_dir):
             check_same_tokenizer(tokenizer, load_tokenizer(draft_dir), config)
         draft = load_model(draft_dir, dtype, device, config.draft_quant)
+        restrict_draft_vocab(draft, tokenizer, config.draft_vocab, target.config.eos_token_ids, log)
     for folder in (target_dir, draft_dir):
         if folder is not None:
             finish_check(folder)
     if log:
         log(f"loaded models in {time.perf_counter() - t0:.1f}s; {native.describe_simd()}")
     return target, draft, tokenizer
+
+
+def restrict_draft_vocab(draft, tokenizer, size: int | str, stop_ids: list[int], log=None) -> None:
+    """Cut the draft's LM head to `size` frequent ids (`draft.vocab`); "auto": the default size
+    where a frequency table ships for this tokenizer, else nothing; "full": nothing."""
+    if size == "full" or (size == "auto" and vocab.load_table(tokenizer) is None):
+        return
+    vocab_size = draft.config.vocab_size
+    num_ids = vocab.DEFAULT_SIZE if size == "auto" else size
+    num_ids = min(vocab_size, -(-num_ids // 16) * 16)  # whole tiles of 16 rows
+    if num_ids >= vocab_size:
+        return
+    ids = vocab.frequent_ids(tokenizer, num_ids, list(stop_ids) + list(draft.config.eos_token_ids), vocab_size)
+    vocab.restrict_head(draft, ids)
+    if log:
+        log(f"draft LM head over {num_ids} of {vocab_size} ids (draft_vocab={size})")
 
 
 def check_same_tokenizer(target_tok: Any, draft_tok: Any, config: EngineConfig) -> None:

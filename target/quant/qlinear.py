@@ -173,6 +173,38 @@ class QLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, tiles={counts}"
 
 
+def take_rows(module: QLinear, ids: torch.Tensor) -> QLinear:
+    """A `QLinear` of `module`'s output rows `ids [R]` (R % 16 == 0), exactly: the integers and
+    scales of int4 / int8 tiles are moved, not re-quantized (a head over part of a vocabulary:
+    `draft.vocab`). Other tiles (k-quant, mixed formats) are dequantized and quantized again."""
+    if ids.numel() % TILE:
+        raise ValueError(f"rows are taken in whole tiles of {TILE}, got {ids.numel()}")
+    bias = None if module.bias is None else module.bias[ids]
+    kinds = set(module.tile_bits.tolist())
+    if len(kinds) != 1 or kinds - {4, 8}:
+        return QLinear.from_weight(dequantize(module)[ids], bias, int4_max_error=0.02)
+    bits = kinds.pop()
+    k, g = module.in_features, module.in_features // GROUP
+    starts = module.tile_offsets[ids // TILE]  # [R] each row's tile
+    tile = module.tiles[(starts[:, None] + torch.arange(tile_size(bits, k))).reshape(-1)].view(-1, g, GROUP_BYTES[bits])
+    n = (ids % TILE)[:, None]  # [R, 1] the row within its tile
+    if bits == 4:
+        b = tile[:, :, :256].reshape(-1, g, 4, TILE, 4)  # [R, g, b, n, i]
+        b = b[torch.arange(len(ids)), :, :, n[:, 0]]  # [R, g, b, i]
+        q = torch.stack([b & 15, b >> 4], -2).reshape(len(ids), k)  # k = 32 g + 8 b + 4 h + i
+        step, zero = (tile[:, :, at : at + 32].contiguous().view(torch.bfloat16).gather(2, n[:, :, None].expand(-1, g, 1))
+                      .squeeze(2) for at in (256, 288))  # [R, g]
+        tiles = pack_int4(q, step, zero)
+    else:
+        b = tile[:, :, :512].reshape(-1, g, 8, TILE, 4)[torch.arange(len(ids)), :, :, n[:, 0]]  # [R, g, b, i]
+        q = b.reshape(len(ids), k).to(torch.int32) - 128
+        step = tile[:, :, 512:544].contiguous().view(torch.bfloat16).gather(2, n[:, :, None].expand(-1, g, 1)).squeeze(2)
+        tiles = pack_int8(q, step)
+    t = len(ids) // TILE
+    offsets = torch.arange(t, dtype=torch.int64) * tile_size(bits, k)
+    return QLinear(tiles, offsets, torch.full((t,), bits, dtype=torch.uint8), k, bias)
+
+
 def _no_ref() -> None:  # the weak reference to an absent bias
     return None
 

@@ -273,3 +273,34 @@ def test_grammar_forced_drafts_keep_the_output_distribution_exact():
     tv = 0.5 * (counts / N - exact).abs().sum().item()
     assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
     assert engine.proposer.num_forced >= N  # the second token's draft came from the grammar
+
+
+def test_a_draft_head_over_part_of_the_vocabulary_keeps_the_output_distribution_the_targets():
+    """FR-Spec (`draft.vocab`): the draft's LM head keeps 4 of the 8 ids, so its q is zero on the
+    other 4, which the target still emits through the residual. The joint of the first two tokens
+    (the first speculative step's acceptances, recoveries and bonus tokens) must be exact, and every
+    draft must come from the kept ids."""
+    from specdec.draft.vocab import restrict_head
+
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    hf_target = tiny_hf_model("llama", seed=3, vocab_size=V)
+    hf_draft = tiny_hf_model("llama", seed=4, vocab_size=V, num_hidden_layers=1)
+    draft = from_hf(hf_draft)
+    kept = torch.tensor([0, 3, 4, 6])
+    restrict_head(draft, kept)
+    engine = make_engine(from_hf(hf_target), draft, num_speculative_tokens=3,
+                         max_num_seqs=N, num_blocks=3 * N, block_size=4)
+    drafted = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.append(out.token_ids))[0]
+    torch.manual_seed(0)
+    outs = engine.generate([PROMPT] * N, params)
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[0], o.token_ids[1]] += 1
+    tv = 0.5 * (counts / N - _exact_joint(hf_target, params)).abs().sum().item()
+    assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
+    proposed = torch.cat([t[t >= 0] for t in drafted])
+    assert proposed.numel() and torch.isin(proposed, kept).all()
+    assert counts[:, [1, 2, 5, 7]].sum() > 0  # ids the draft cannot propose are still emitted
+    assert 0.02 < engine.stats.acceptance_rate < 0.98
