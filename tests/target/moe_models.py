@@ -103,7 +103,8 @@ def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
 
 def write_gguf(hf_model, path, tokenizer, expert_type: str = "F32") -> None:
     """`hf_model` (a Qwen3 / Qwen2, MoE or dense, or a Mixtral: llama.cpp's llama architecture) as a
-    GGUF file with `tokenizer`; the stacked experts in `expert_type` (F32 or Q8_0), the rest F32."""
+    GGUF file with `tokenizer`; the stacked experts in `expert_type` (F32, Q8_0, or Q4_K: random
+    valid blocks in place of the weights, which gguf cannot quantize to), the rest F32."""
     import gguf
 
     from tests.target.conftest import add_gguf_tokenizer
@@ -136,7 +137,13 @@ def write_gguf(hf_model, path, tokenizer, expert_type: str = "F32") -> None:
     writer.add_tokenizer_pre("qwen2")
     writer.add_rope_dimension_count(head_dim)
     for name, values in gguf_tensors(hf_model).items():
-        if expert_type != "F32" and name.endswith("_exps.weight"):
+        if expert_type == "Q4_K" and name.endswith("_exps.weight"):
+            from tests.target.test_kquant import k_blocks
+
+            e, n, k = values.shape
+            blocks = k_blocks(12, e * n, k, seed=len(name)).reshape(e, n, -1)
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        elif expert_type != "F32" and name.endswith("_exps.weight"):
             qtype = gguf.GGMLQuantizationType[expert_type]
             writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:

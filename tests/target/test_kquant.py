@@ -161,3 +161,25 @@ def test_every_level_computes_kquant_tiles_bitwise_the_same(monkeypatch):
     first = MACHINE_LEVELS[0]
     for level in MACHINE_LEVELS[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[first], results[level])), (first, level)
+
+
+def test_stacked_q4_k_experts_are_read_per_expert_as_stored(tmp_path, monkeypatch):
+    """An MoE GGUF with Q4_K stacked experts (llama.cpp's `ffn_*_exps`): in mode "gguf" each
+    expert's linears are k-quant tiles of that expert's slice, exactly the file's values."""
+    from specdec.target.model_files import resolve_model
+    from specdec.target.model_weights import load_model
+    from tests.target.conftest import build_tiny_tokenizer
+    from tests.target.moe_models import moe_hf_model, write_gguf
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    tokenizer = build_tiny_tokenizer()
+    hf = moe_hf_model("qwen3_moe", vocab_size=len(tokenizer), hidden_size=256, moe_intermediate_size=256)
+    path = tmp_path / "tiny-qwen3moe-q4k.gguf"
+    write_gguf(hf, path, tokenizer, "Q4_K")
+    folder = resolve_model(str(path), progress=False)
+    dense, model = load_model(folder, torch.float32), load_model(folder, torch.bfloat16, quant="gguf")
+    layer = next(i for i, m in enumerate(model.model.layers) if hasattr(m.mlp, "experts"))
+    for e in (0, 5):
+        ours, ref = model.model.layers[layer].mlp.experts[e], dense.model.layers[layer].mlp.experts[e]
+        assert set(ours.down_proj.tile_bits.tolist()) == {TILE_Q4_K}
+        assert torch.equal(dequantize(ours.down_proj), ref.down_proj.weight)
