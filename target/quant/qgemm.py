@@ -16,6 +16,7 @@ import torch
 
 from specdec import native
 from specdec.kernel_abi import GROUP, SUPER, TILE, TILE_Q4_K, TILE_Q6_K, check_tensor
+from specdec.target.quant import kquant
 
 SOURCE = Path(__file__).with_name("qgemm.c")
 HEADERS = (SOURCE.with_name("qgemm_tiles.h"), SOURCE.with_name("kquant_tiles.h"))
@@ -28,14 +29,13 @@ def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
 
 FLOATS = (torch.bfloat16, torch.float32)  # what x, y, residual and norm weights may be
 GROUP_BYTES = {4: 320, 8: 544}  # bytes per group of 32 inputs in an int4 / int8 tile (qgemm.c)
-SUPER_BYTES = {TILE_Q4_K: 2304, TILE_Q6_K: 3360}  # per super-block of 256 in a k-quant tile (kquant_tiles.h)
 TILE_KINDS = {4: "int4", 8: "int8", TILE_Q4_K: "Q4_K", TILE_Q6_K: "Q6_K"}  # tile_bits -> its format
 
 
 def tile_size(bits: int, in_features: int) -> int:
     """Bytes of one tile of format `bits` (a `tile_bits` value) over `in_features` inputs."""
-    if bits in SUPER_BYTES:
-        return in_features // SUPER * SUPER_BYTES[bits]
+    if bits in kquant.BLOCK_BYTES:
+        return kquant.tile_bytes(bits, in_features)
     return in_features // GROUP * GROUP_BYTES[bits]
 
 
@@ -80,7 +80,7 @@ def check_weights(tiles: torch.Tensor, tile_offsets: torch.Tensor, tile_bits: to
     kinds = set(tile_bits.unique().tolist())
     if not kinds <= TILE_KINDS.keys():
         raise ValueError(f"tile_bits must all be one of {sorted(TILE_KINDS)}, got {sorted(kinds - TILE_KINDS.keys())}")
-    if kinds & SUPER_BYTES.keys() and in_features % SUPER:
+    if kinds & kquant.BLOCK_BYTES.keys() and in_features % SUPER:
         raise ValueError(f"k-quant tiles need in_features % {SUPER} == 0, got {in_features}")
     sizes = torch.tensor([tile_size(b, in_features) if b in kinds else 0 for b in range(max(TILE_KINDS) + 1)])
     ends = tile_offsets + sizes[tile_bits.long()]

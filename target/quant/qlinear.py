@@ -28,7 +28,7 @@ from specdec.kernel_abi import SUPER, check_tensor, raise_for_status
 from specdec.target.quant import kquant
 from specdec.target.quant.int4 import chunk_rows, quantize_int4
 from specdec.target.quant.int8 import cat_biases
-from specdec.target.quant.qgemm import FLOATS, GROUP_BYTES, SUPER_BYTES, TILE_KINDS, check_weights, require_qgemm, tile_size
+from specdec.target.quant.qgemm import FLOATS, GROUP_BYTES, TILE_KINDS, check_weights, require_qgemm, tile_size
 
 # The tile layout's sizes, spelled here because this file keys the quantized cache
 # (`cache_file.LAYOUT_SOURCES`); equal to kernel_abi.h's SPECDEC_GROUP / SPECDEC_TILE (tested).
@@ -337,7 +337,7 @@ def dequantize(module: QLinear) -> torch.Tensor:
     rows = []
     for off, bits in zip(module.tile_offsets.tolist(), module.tile_bits.tolist()):
         size = tile_size(bits, k)
-        if bits in SUPER_BYTES:
+        if bits in kquant.BLOCK_BYTES:
             rows.append(kquant.dequantize_tiles(module.tiles[off : off + size], bits, k))
             continue
         tile = module.tiles[off : off + size].view(g, -1)
