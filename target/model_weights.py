@@ -96,7 +96,7 @@ def _quantize_to_cache(model_dir: Path, dtype: torch.dtype, quant: str, path: Pa
         model_dir, load_config(model_dir), quant, dtype, lambda: calibration_ids(model_dir), stats=shipped
     )
     finish_check(model_dir)  # nothing derived from unchecked bytes is cached
-    if not any(_requantized(m) for m in model.modules()):
+    if MODES[quant].file_blocks and not any(_requantized(m) for m in model.modules()):
         print(f"specdec: read {model_dir.name}'s quantized blocks as stored ({quant}) in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         return model
