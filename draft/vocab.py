@@ -34,9 +34,16 @@ log = logging.getLogger("specdec")
 
 def fingerprint(tokenizer) -> str:
     """A hash of the tokenizer's vocabulary (token -> id): tables apply to the tokenizer they were
-    counted with and to no other."""
-    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+    counted with and to no other. Kept on the tokenizer: ~0.4 s for 152k tokens."""
+    known = getattr(tokenizer, "_specdec_fingerprint", None)
+    if known is None:
+        items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+        known = hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()[:16]
+        try:
+            tokenizer._specdec_fingerprint = known
+        except AttributeError:  # a tokenizer that takes no new attributes: hashed each time
+            pass
+    return known
 
 
 def table_path(tokenizer) -> Path:

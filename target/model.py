@@ -179,10 +179,18 @@ class DecoderLayer(nn.Module):
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    """`nn.Embedding`; on the meta device without its random init, which imports torch._dynamo
+    there (~2 s of every load)."""
+    if torch.get_default_device().type == "meta":
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = make_norm(config, config.hidden_size)
 

@@ -39,7 +39,8 @@ def inv_frequencies(hf_config: Any, head_dim: int, layer_type: str | None = None
     rope_type = params["rope_type"]
     if rope_type == "default":
         base = float(params.get("rope_theta", 10000.0))
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+        # on the CPU also under the loader's meta device (where arange imports torch._dynamo: ~2 s)
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
         return (1.0 / base**exponents).float(), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

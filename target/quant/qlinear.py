@@ -184,25 +184,31 @@ def take_rows(module: QLinear, ids: torch.Tensor) -> QLinear:
     if len(kinds) != 1 or kinds - {4, 8}:
         return QLinear.from_weight(dequantize(module)[ids], bias, int4_max_error=0.02)
     bits = kinds.pop()
-    k, g = module.in_features, module.in_features // GROUP
-    starts = module.tile_offsets[ids // TILE]  # [R] each row's tile
-    tile = module.tiles[(starts[:, None] + torch.arange(tile_size(bits, k))).reshape(-1)].view(-1, g, GROUP_BYTES[bits])
-    n = (ids % TILE)[:, None]  # [R, 1] the row within its tile
+    k, g, size, count = module.in_features, module.in_features // GROUP, tile_size(bits, module.in_features), len(ids)
+    whole = _whole_tiles(module, size).view(-1, g, GROUP_BYTES[bits])  # [T, g, group bytes]
+    t, n = ids // TILE, ids % TILE  # each row's tile and its place there
+
+    def steps(at: int) -> torch.Tensor:  # [R, g] the bf16 values of row n at byte `at` of each group
+        return whole[t, :, at : at + 32].contiguous().view(torch.bfloat16).gather(2, n[:, None, None].expand(-1, g, 1)).squeeze(2)
+
     if bits == 4:
-        b = tile[:, :, :256].reshape(-1, g, 4, TILE, 4)  # [R, g, b, n, i]
-        b = b[torch.arange(len(ids)), :, :, n[:, 0]]  # [R, g, b, i]
-        q = torch.stack([b & 15, b >> 4], -2).reshape(len(ids), k)  # k = 32 g + 8 b + 4 h + i
-        step, zero = (tile[:, :, at : at + 32].contiguous().view(torch.bfloat16).gather(2, n[:, :, None].expand(-1, g, 1))
-                      .squeeze(2) for at in (256, 288))  # [R, g]
-        tiles = pack_int4(q, step, zero)
+        b = whole[:, :, :256].view(-1, g, 4, TILE, 4)[t, :, :, n]  # [R, g, b, i]
+        q = torch.stack([b & 15, b >> 4], -2).reshape(count, k)  # k = 32 g + 8 b + 4 h + i
+        tiles = pack_int4(q, steps(256), steps(288))
     else:
-        b = tile[:, :, :512].reshape(-1, g, 8, TILE, 4)[torch.arange(len(ids)), :, :, n[:, 0]]  # [R, g, b, i]
-        q = b.reshape(len(ids), k).to(torch.int32) - 128
-        step = tile[:, :, 512:544].contiguous().view(torch.bfloat16).gather(2, n[:, :, None].expand(-1, g, 1)).squeeze(2)
-        tiles = pack_int8(q, step)
+        b = whole[:, :, :512].view(-1, g, 8, TILE, 4)[t, :, :, n]  # [R, g, b, i]
+        tiles = pack_int8(b.reshape(count, k).to(torch.int32) - 128, steps(512))
     t = len(ids) // TILE
     offsets = torch.arange(t, dtype=torch.int64) * tile_size(bits, k)
     return QLinear(tiles, offsets, torch.full((t,), bits, dtype=torch.uint8), k, bias)
+
+
+def _whole_tiles(module: QLinear, size: int) -> torch.Tensor:
+    """`[T, size]` module's tiles in output order (a view where they lie in order, as packed)."""
+    t = module.tile_offsets.numel()
+    if torch.equal(module.tile_offsets, torch.arange(t, dtype=torch.int64) * size):
+        return module.tiles[: t * size].view(t, size)
+    return torch.stack([module.tiles[o : o + size] for o in module.tile_offsets.tolist()])
 
 
 def _no_ref() -> None:  # the weak reference to an absent bias

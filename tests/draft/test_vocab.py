@@ -53,12 +53,19 @@ def test_expanded_logits_give_zero_probability_outside_the_set():
 
 @pytest.mark.skipif(qgemm.unavailable_reason() is not None, reason="w4a8 kernel unavailable")
 @pytest.mark.parametrize("int4", [True, False])
-def test_a_w4a8_heads_rows_are_taken_exactly(int4):
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_a_w4a8_heads_rows_are_taken_exactly(int4, shuffled):
+    from specdec.target.quant.qgemm import tile_size
     from specdec.target.quant.qlinear import QLinear, dequantize, take_rows
     from tests.target.test_quant import grid_weights
 
     w = grid_weights(64, 96, seed=1) if int4 else torch.randn(64, 96) * 0.05
     head = QLinear.from_weight(w, torch.randn(64), int4_max_error=0.02)
+    if shuffled:  # the same tiles stored in another order, found through tile_offsets
+        size = tile_size(int(head.tile_bits[0]), 96)
+        order = torch.tensor([2, 0, 3, 1])
+        head.tiles = head.tiles.view(4, size)[order].reshape(-1).clone()
+        head.tile_offsets = order.argsort() * size
     ids = torch.tensor(sorted(torch.randperm(64, generator=torch.Generator().manual_seed(2))[:32].tolist()))
     rows = take_rows(head, ids)
     assert torch.equal(dequantize(rows), dequantize(head)[ids]) and torch.equal(rows.bias, head.bias[ids])
