@@ -9,12 +9,14 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 4
+#define SPECDEC_ABI_VERSION 5
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_SUPER 256         /* qgemm: inputs per k-quant super-block */
 #define SPECDEC_TILE_Q4_K 12      /* qgemm tile_bits of a GGUF Q4_K tile (ggml's type id) */
 #define SPECDEC_TILE_Q6_K 14      /* qgemm tile_bits of a GGUF Q6_K tile */
+#define SPECDEC_TILE_Q5_0 6       /* qgemm tile_bits of a GGUF Q5_0 tile (ggml's type id) */
+#define SPECDEC_TILE_Q8_0 24      /* qgemm tile_bits of a GGUF Q8_0 tile (ggml's 8 is the int8 tiles') */
 #define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
 #define SPECDEC_MAX_LATENT_DIM 1024 /* latent_attend: the widest latent (rank + rope) */
 

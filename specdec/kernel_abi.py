@@ -14,12 +14,14 @@ import enum
 
 import torch
 
-ABI_VERSION = 4  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 5  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 SUPER = 256  # SPECDEC_SUPER: inputs per k-quant super-block
 TILE_Q4_K = 12  # SPECDEC_TILE_Q4_K: the tile_bits of a GGUF Q4_K tile (ggml's type id)
 TILE_Q6_K = 14  # SPECDEC_TILE_Q6_K: of a GGUF Q6_K tile
+TILE_Q5_0 = 6  # SPECDEC_TILE_Q5_0: of a GGUF Q5_0 tile (ggml's type id)
+TILE_Q8_0 = 24  # SPECDEC_TILE_Q8_0: of a GGUF Q8_0 tile (ggml's id 8 is the int8 tiles')
 MAX_HEAD_DIM = 512  # SPECDEC_MAX_HEAD_DIM: rope_write_attend's per-thread query buffer
 MAX_LATENT_DIM = 1024  # SPECDEC_MAX_LATENT_DIM: latent_attend's widest latent
 
@@ -123,7 +125,8 @@ class AbiEntry(ctypes.Structure):
 
 STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Moe, Layer, Attention, AbiEntry)
 CONSTANTS = {"SPECDEC_GROUP": GROUP, "SPECDEC_TILE": TILE, "SPECDEC_SUPER": SUPER,
-             "SPECDEC_TILE_Q4_K": TILE_Q4_K, "SPECDEC_TILE_Q6_K": TILE_Q6_K, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
+             "SPECDEC_TILE_Q4_K": TILE_Q4_K, "SPECDEC_TILE_Q6_K": TILE_Q6_K, "SPECDEC_TILE_Q5_0": TILE_Q5_0,
+             "SPECDEC_TILE_Q8_0": TILE_Q8_0, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
              "SPECDEC_MAX_LATENT_DIM": MAX_LATENT_DIM,
              **{f"SPECDEC_{s.name}": int(s) for s in Status}}
 

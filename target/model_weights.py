@@ -19,6 +19,7 @@ from specdec.target.gguf_file import GGUFFile
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.quant.cache_file import load_quantized, quant_cache_path, save_quantized
 from specdec.target.quant.convert import prepare_quantized
+from specdec.target.quant import kquant
 from specdec.target.quant.formats import MODES, format_of
 from specdec.target.quant.qlinear import QLinear
 from specdec.target.quant.shipped_stats import load_shipped
@@ -118,7 +119,7 @@ def _requantized(module: torch.nn.Module) -> bool:
     """Whether `module` is a linear whose weights were quantized here (not taken as stored)."""
     if format_of(module) is None:
         return False
-    return not (isinstance(module, QLinear) and bool((module.tile_bits > 8).all()))
+    return not (isinstance(module, QLinear) and set(module.tile_bits.unique().tolist()) <= kquant.BLOCK_BYTES.keys())
 
 
 def release_freed_memory() -> None:

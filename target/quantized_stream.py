@@ -62,7 +62,7 @@ def stream_quantized(
     untie_lm_head(model)  # on meta: the head is read from the file like any other tensor
     with open_checkpoint(model_dir) as reader:
         layers = _LayerLoader(model, reader, mode, dtype)
-        what = "reading Q4_K / Q6_K blocks as stored" if quant.file_blocks else f"quantizing to {mode} (once; cached)"
+        what = "reading the GGUF's blocks as stored" if quant.file_blocks else f"quantizing to {mode} (once; cached)"
         bar = tqdm(total=config.num_layers + 1, desc=what, unit="layer",
                    leave=False, disable=not progress)
         with bar:
@@ -106,20 +106,22 @@ class _LayerLoader:
         self.seconds["read"] += time.perf_counter() - start
 
     def _take_file_blocks(self, prefix: str) -> None:
-        """The linears under `prefix` whose GGUF blocks the kernel reads as stored (Q4_K, Q6_K on
-        whole tiles) become k-quant `QLinear`s straight from the file: no float copy is made."""
+        """The linears under `prefix` whose GGUF blocks the kernel reads as stored (Q4_K, Q6_K,
+        Q5_0, Q8_0 on whole tiles) become `QLinear`s of those tiles straight from the file: no
+        float copy is made."""
         for name, module in list(self.model.named_modules()):
             if type(module) is not nn.Linear or getattr(module, "keep_dense", False) or not module.weight.is_meta:
                 continue
             if not (name == prefix or name.startswith(prefix + ".")):
                 continue
             found = self.reader.blocks(self.sources[f"{name}.weight"])
-            if found is None or not kquant.fits(found[1], module.out_features, module.in_features):
+            kind = None if found is None else kquant.GGML_KINDS.get(found[1])
+            if kind is None or not kquant.fits(kind, module.out_features, module.in_features):
                 continue
             bias = None if module.bias is None else self.reader.read(self.sources[f"{name}.bias"]).float()
             parent, _, attr = name.rpartition(".")
             setattr(self.model.get_submodule(parent) if parent else self.model, attr,
-                    QLinear.from_gguf(found[0], found[1], module.in_features, bias))
+                    QLinear.from_gguf(found[0], kind, module.in_features, bias))
 
     def convert(self, prefix: str) -> None:
         """Quantize the linears under `prefix`, cast its other parameters to the model dtype."""

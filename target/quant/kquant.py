@@ -1,10 +1,11 @@
-"""GGUF Q4_K and Q6_K blocks repacked into `QLinear` tiles that `qgemm` reads as they are.
+"""GGUF blocks repacked into `QLinear` tiles that `qgemm` reads as they are: the k-quants Q4_K and
+Q6_K (super-blocks of 256 inputs) and Q5_0 and Q8_0 (blocks of 32).
 
 The file's quantized weights are not re-quantized: their integers, 6-bit (Q4_K) or int8 (Q6_K)
-sub-scales and fp16 super-block scales move into the tile layout of `kquant_tiles.h`, 16 output
-channels to a tile, with the file's bytes per weight (144 and 210 bytes per 256 weights). So the
-weights the kernel multiplies by are exactly the file's (`dequantize_tiles` gives back
-`gguf.quants.dequantize`'s values, tested), and loading is a reshuffle of bytes.
+sub-scales and fp16 scales move into the tile layouts of `kquant_tiles.h` and `block32_tiles.h`,
+16 output channels to a tile, with the file's bytes per weight (144, 210, 22 and 34 bytes per
+block). So the weights the kernel multiplies by are exactly the file's (`dequantize_tiles` gives
+back `gguf.quants.dequantize`'s values, tested), and loading is a reshuffle of bytes.
 
     >>> tiles = pack_kquant(raw_rows, TILE_Q4_K)   # doctest: +SKIP  (raw_rows [N, K / 256 * 144] uint8)
 """
@@ -17,10 +18,15 @@ import numpy as np
 import torch
 
 from specdec import native
-from specdec.kernel_abi import SUPER, TILE, TILE_Q4_K, TILE_Q6_K, raise_for_status
+from specdec.kernel_abi import GROUP, SUPER, TILE, TILE_Q4_K, TILE_Q5_0, TILE_Q6_K, TILE_Q8_0, raise_for_status
 
-# bytes per 256 weights in the file (one block) and in a tile (per output channel): equal
-BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q6_K: 210}
+# bytes per block of BLOCK_INPUTS weights in the file and in a tile (per output channel): equal
+BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q6_K: 210, TILE_Q5_0: 22, TILE_Q8_0: 34}
+BLOCK_INPUTS = {TILE_Q4_K: SUPER, TILE_Q6_K: SUPER, TILE_Q5_0: GROUP, TILE_Q8_0: GROUP}
+# ggml's type id of a GGUF tensor -> the tile kind that holds its blocks as stored
+GGML_KINDS = {12: TILE_Q4_K, 14: TILE_Q6_K, 6: TILE_Q5_0, 8: TILE_Q8_0}
+# kinds whose activations the kernel quantizes per 256 inputs (Q8_K); the others per 32, as int4 / int8
+SUPER_KINDS = frozenset(k for k, n in BLOCK_INPUTS.items() if n == SUPER)
 ROWS_PER_CHUNK = 4096  # output channels repacked at once by torch: ~10 MB of temporaries for K = 1536
 # the same packing in C (plain C, any x86-64): ~1 GB/s where torch's ops manage 60-150 MB/s
 PACKER = native.NativeKernel((Path(__file__).with_name("kquant_pack.c"),), (), (), ("kquant_pack",))
@@ -28,20 +34,20 @@ PACKER = native.NativeKernel((Path(__file__).with_name("kquant_pack.c"),), (), (
 
 def tile_bytes(kind: int, in_features: int) -> int:
     """Bytes of one tile of `kind` over `in_features` inputs."""
-    return TILE * in_features // SUPER * BLOCK_BYTES[kind]
+    return TILE * in_features // BLOCK_INPUTS[kind] * BLOCK_BYTES[kind]
 
 
 def fits(kind: int, out_features: int, in_features: int) -> bool:
     """Whether a `[out_features, in_features]` tensor of `kind` fills whole tiles."""
-    return kind in BLOCK_BYTES and out_features % TILE == 0 and in_features % SUPER == 0
+    return kind in BLOCK_BYTES and out_features % TILE == 0 and in_features % BLOCK_INPUTS[kind] == 0
 
 
 def pack_kquant(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor:
-    """`raw [N, K / 256 * block bytes]` uint8, a GGUF tensor's rows of `kind` (ggml's Q4_K or
-    Q6_K id) -> the tiles `[N / 16 * tile_bytes]` uint8: in C (`kquant_pack.c`) where it builds,
-    else in torch a chunk of rows at a time (`pack_kquant_torch`)."""
+    """`raw [N, K / inputs per block * block bytes]` uint8, a GGUF tensor's rows of `kind` (a
+    `BLOCK_BYTES` kind) -> the tiles `[N / 16 * tile_bytes]` uint8: in C (`kquant_pack.c`) where
+    it builds, else in torch a chunk of rows at a time (`pack_kquant_torch`)."""
     rows = raw if isinstance(raw, np.ndarray) else raw.numpy()
-    n, k = rows.shape[0], rows.shape[1] // BLOCK_BYTES[kind] * SUPER
+    n, k = rows.shape[0], rows.shape[1] // BLOCK_BYTES[kind] * BLOCK_INPUTS[kind]
     lib = PACKER.load()
     if lib is None or not fits(kind, n, k):
         return pack_kquant_torch(rows, kind)
@@ -55,7 +61,7 @@ def pack_kquant(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor:
 def pack_kquant_torch(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor:
     """`pack_kquant` in torch ops (the reference the C packer is tested against)."""
     n = raw.shape[0]
-    pack = {TILE_Q4_K: _pack_q4_k, TILE_Q6_K: _pack_q6_k}[kind]
+    pack = {TILE_Q4_K: _pack_q4_k, TILE_Q6_K: _pack_q6_k, TILE_Q5_0: _pack_q5_0, TILE_Q8_0: _pack_q8_0}[kind]
     return torch.cat([pack(_rows(raw[r : r + ROWS_PER_CHUNK])) for r in range(0, n, ROWS_PER_CHUNK)])
 
 
@@ -137,9 +143,41 @@ def _pack_q6_k(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat((blocks, scales, _fp16_bytes(d)), -1).reshape(-1)
 
 
+def q5_0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 `[n, G, 22]` -> q `[n, 32 G]` 0..31 (w = d * (q - 16)), d `[n, G]` as fp16 bits."""
+    n, g = blocks.shape[:2]
+    d = blocks[..., 0:2].contiguous().view(torch.int16).view(n, g)
+    qh = blocks[..., 2:6].unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)  # [n, G, 4, 8]: bit j = weight j's
+    high = (qh & 1).reshape(n, g, 32)
+    qs = blocks[..., 6:22]
+    q = torch.cat((qs & 0x0F, qs >> 4), -1) | (high << 4)  # weights 0-15 in the low nibbles, 16-31 high
+    return q.reshape(n, 32 * g), d
+
+
+def _pack_q5_0(rows: torch.Tensor) -> torch.Tensor:
+    q, d = q5_0_parts(_blocks(rows, TILE_Q5_0))
+    t, g = q.shape[0] // TILE, q.shape[1] // GROUP
+    low = _int4_layout(q & 15).view(t, g, 256)
+    # byte 4n + i of a group's 64: bit 2b + h = the top bit of q[n][32 g + 8 b + 4 h + i]
+    hi = (q >> 4).view(t, TILE, g, 4, 2, 4).permute(0, 2, 1, 5, 3, 4).reshape(t, g, 64, 8)
+    top = (hi << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
+    return torch.cat((low, top, _fp16_bytes(d)), -1).reshape(-1)
+
+
+def _pack_q8_0(rows: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(rows, TILE_Q8_0)
+    n, g = blocks.shape[:2]
+    t = n // TILE
+    d = blocks[..., 0:2].contiguous().view(torch.int16).view(n, g)
+    q = (blocks[..., 2:] ^ 0x80).view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512)  # q + 128
+    return torch.cat((q, _fp16_bytes(d)), -1).reshape(-1)
+
+
 def dequantize_tiles(tiles: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
-    """The weights `[16 * tiles, K]` fp32 that k-quant `tiles` of one kind hold (tests, reports):
+    """The weights `[16 * tiles, K]` fp32 that `tiles` of one GGUF kind hold (tests, reports):
     read back from the tile layout, so a packing error shows as a difference from the file's."""
+    if kind in (TILE_Q5_0, TILE_Q8_0):
+        return _dequantize_block32(tiles, kind, in_features)
     s = in_features // SUPER
     per = tile_bytes(kind, in_features) // s
     b = tiles.view(-1, s, per)  # [t, S, bytes]
@@ -169,6 +207,21 @@ def dequantize_tiles(tiles: torch.Tensor, kind: int, in_features: int) -> torch.
     sc = untile(b[..., 3072:3328].contiguous().view(torch.int8).view(t, s, 16, 16)).float()
     w = (fp16(b[..., 3328:3360]) * sc)[..., None] * q.view(-1, s, 16, 16)
     return w.reshape(-1, in_features)
+
+
+def _dequantize_block32(tiles: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
+    g = in_features // GROUP
+    b = tiles.view(-1, g, tile_bytes(kind, in_features) // g)  # [t, G, bytes]
+    t = b.shape[0]
+    d = b[..., -32:].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g, 1).float()
+    if kind == TILE_Q8_0:
+        q = b[..., :512].reshape(t, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).float() - 128
+        return (d * q.reshape(t * TILE, g, GROUP)).reshape(-1, in_features)
+    low = _from_int4_layout(b[..., :256].reshape(t, -1, 64))  # [16 t, K]
+    bits = (b[..., 256:320].reshape(t, g, TILE, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [t, G, n, i, 2b + h]
+    high = bits.view(t, g, TILE, 4, 4, 2).permute(0, 2, 1, 4, 5, 3).reshape(t * TILE, in_features)
+    q = (low | (high << 4)).float() - 16
+    return (d * q.view(t * TILE, g, GROUP)).reshape(-1, in_features)
 
 
 def _from_int4_layout(blocks: torch.Tensor) -> torch.Tensor:  # [t, K/8, 64] -> q [16 t, K] uint8

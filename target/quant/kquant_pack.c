@@ -1,6 +1,7 @@
-/* GGUF Q4_K / Q6_K rows -> qgemm's k-quant tiles (the layout of kquant_tiles.h), byte for byte
- * what `kquant.py`'s torch packer makes (tested), ~50x faster: the default target's 0.98 GB of
- * blocks repack in well under a second instead of ~10 s. Plain C: a reshuffle of bytes. */
+/* GGUF Q4_K / Q6_K / Q5_0 / Q8_0 rows -> qgemm's tiles of those formats (the layouts of
+ * kquant_tiles.h and block32_tiles.h), byte for byte what `kquant.py`'s torch packer makes
+ * (tested), ~50x faster: the default target's 0.98 GB of blocks repack in well under a second
+ * instead of ~10 s. Plain C: a reshuffle of bytes. */
 #include <stdint.h>
 #include <string.h>
 
@@ -8,6 +9,7 @@
 
 #define TILE SPECDEC_TILE
 #define SUPER SPECDEC_SUPER
+#define GROUP SPECDEC_GROUP
 
 /* ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j from a Q4_K block's 12 bytes */
 static void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
@@ -82,22 +84,65 @@ static void pack_q6_k_super(const uint8_t *const *rows, uint8_t *out) {
     }
 }
 
-/* raw [n, k / 256 * block bytes] (rows `row_stride` bytes apart) of `kind` (SPECDEC_TILE_Q4_K or
- * SPECDEC_TILE_Q6_K) -> out [n / 16 tiles of k / 256 super-blocks] in kquant_tiles.h's layout.
- * SPECDEC_ERR_INVALID_ARGUMENT for sizes off the tile grid or another kind. */
+/* one 32-input group of a Q8_0 tile: 8 blocks of 4 inputs x 16 outputs (byte 4n+i: q + 128), d[16] */
+static void pack_q8_0_group(const uint8_t *const *rows, uint8_t *out) {
+    for (int n = 0; n < TILE; n++) {
+        const uint8_t *qs = rows[n] + 2;
+        for (int b = 0; b < 8; b++)
+            for (int i = 0; i < 4; i++) out[64 * b + 4 * n + i] = (uint8_t)(qs[4 * b + i] ^ 0x80);
+        memcpy(out + 512 + 2 * n, rows[n], 2); /* d */
+    }
+}
+
+/* one 32-input group of a Q5_0 tile: the low nibbles in the int4 layout, their top bits, d[16] */
+static void pack_q5_0_group(const uint8_t *const *rows, uint8_t *out) {
+    memset(out + 256, 0, 64);
+    for (int n = 0; n < TILE; n++) {
+        const uint8_t *blk = rows[n], *qs = blk + 6;
+        const uint32_t qh = (uint32_t)blk[2] | (uint32_t)blk[3] << 8 | (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24;
+        uint8_t q[GROUP];
+        for (int j = 0; j < 16; j++) {
+            q[j] = (uint8_t)((qs[j] & 15) | ((qh >> j) & 1) << 4);
+            q[j + 16] = (uint8_t)((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+        }
+        for (int b = 0; b < 4; b++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t lo = q[8 * b + i], hi = q[8 * b + 4 + i];
+                out[64 * b + 4 * n + i] = (uint8_t)((lo & 15) | ((hi & 15) << 4));
+                out[256 + 4 * n + i] |= (uint8_t)((lo >> 4) << (2 * b) | (hi >> 4) << (2 * b + 1));
+            }
+        memcpy(out + 320 + 2 * n, blk, 2); /* d */
+    }
+}
+
+/* raw [n, k / inputs per block * block bytes] (rows `row_stride` bytes apart) of `kind`
+ * (SPECDEC_TILE_Q4_K, _Q6_K, _Q5_0 or _Q8_0) -> out [n / 16 tiles of their blocks] in the tile
+ * layout of that kind. SPECDEC_ERR_INVALID_ARGUMENT for sizes off the tile grid or another kind. */
 int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, int kind, uint8_t *out, int threads) {
-    const int q4 = kind == SPECDEC_TILE_Q4_K;
-    if (!raw || !out || n <= 0 || n % TILE || k <= 0 || k % SUPER || (!q4 && kind != SPECDEC_TILE_Q6_K))
-        return SPECDEC_ERR_INVALID_ARGUMENT;
-    const int64_t supers = k / SUPER, block = q4 ? 144 : 210, bytes = q4 ? 2304 : 3360;
-    if (row_stride < supers * block) return SPECDEC_ERR_INVALID_ARGUMENT;
+    int64_t inputs, block, bytes; /* per block: inputs, bytes in the file, bytes in a tile (16 rows) */
+    switch (kind) {
+        case SPECDEC_TILE_Q4_K: inputs = SUPER, block = 144; break;
+        case SPECDEC_TILE_Q6_K: inputs = SUPER, block = 210; break;
+        case SPECDEC_TILE_Q5_0: inputs = GROUP, block = 22; break;
+        case SPECDEC_TILE_Q8_0: inputs = GROUP, block = 34; break;
+        default: return SPECDEC_ERR_INVALID_ARGUMENT;
+    }
+    bytes = TILE * block;
+    if (!raw || !out || n <= 0 || n % TILE || k <= 0 || k % inputs) return SPECDEC_ERR_INVALID_ARGUMENT;
+    const int64_t blocks = k / inputs;
+    if (row_stride < blocks * block) return SPECDEC_ERR_INVALID_ARGUMENT;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t idx = 0; idx < n / TILE * supers; idx++) {
-        const int64_t t = idx / supers, s = idx % supers;
+    for (int64_t idx = 0; idx < n / TILE * blocks; idx++) {
+        const int64_t t = idx / blocks, s = idx % blocks;
         const uint8_t *rows[TILE];
         for (int r = 0; r < TILE; r++) rows[r] = raw + (t * TILE + r) * row_stride + s * block;
-        if (q4) pack_q4_k_super(rows, out + idx * bytes);
-        else pack_q6_k_super(rows, out + idx * bytes);
+        uint8_t *dst = out + idx * bytes;
+        switch (kind) {
+            case SPECDEC_TILE_Q4_K: pack_q4_k_super(rows, dst); break;
+            case SPECDEC_TILE_Q6_K: pack_q6_k_super(rows, dst); break;
+            case SPECDEC_TILE_Q5_0: pack_q5_0_group(rows, dst); break;
+            default: pack_q8_0_group(rows, dst); break;
+        }
     }
     return SPECDEC_OK;
 }

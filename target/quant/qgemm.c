@@ -24,7 +24,9 @@
  * Tile layout (bytes, per group g of the tile, groups in order):
  *   int4: 4 blocks of 64 B (8 inputs x 16 outputs each: byte 4n+i = q[n][8b+i] | q[n][8b+4+i] << 4),
  *         then step[16], zero[16] as bf16;
- *   int8: 8 blocks of 64 B (4 inputs x 16 outputs each: byte 4n+i = q[n][4b+i]), then step[16] bf16.
+ *   int8: 8 blocks of 64 B (4 inputs x 16 outputs each: byte 4n+i = q[n][4b+i]), then step[16] bf16;
+ *   GGUF's Q8_0: int8's with step[16] fp16 (the file's d); Q5_0, Q4_K, Q6_K: block32_tiles.h and
+ *   kquant_tiles.h.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,6 +49,7 @@ struct group_consts {
 
 #include "qgemm_tiles.h" /* tile_rows and MAX_ROWS for this build's instruction set */
 #include "kquant_tiles.h" /* q4k_rows, q6k_rows: GGUF's Q4_K and Q6_K tiles, one source for every level */
+#include "block32_tiles.h" /* q50_rows: GGUF's Q5_0 tiles, one source for every level */
 
 /* The 32 fp32 inputs of group g of row r: x itself, RMSNorm(x) (norm_w), or with `glu` (x is
  * [M, 2K], gate | up) silu(gate) * up, computed in fp32. */
@@ -159,6 +162,19 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
     } while (0)
 
 static inline int is_kquant(int bits) { return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q6_K; }
+static inline int is_grouped(int bits) { /* activations per 32 inputs */
+    return bits == 4 || bits == 8 || bits == SPECDEC_TILE_Q5_0 || bits == SPECDEC_TILE_Q8_0;
+}
+
+/* R <= Q50_PASS rows against a Q5_0 tile (block32_tiles.h) */
+#define Q50_ROWS(R)                                                                                      \
+    do {                                                                                                 \
+        __m256 lo[Q50_PASS], hi[Q50_PASS];                                                               \
+        q50_rows(tile, row == 0 ? PREFETCH_BYTES : next_ahead, groups, xq + row * k, gc + row * groups, k, R, lo, hi); \
+        vf acc[Q50_PASS];                                                                                \
+        for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
+        store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
+    } while (0)
 
 #ifdef UNPACKED_GROUP /* R <= UNPACKED_PASS rows against the unpacked tile */
 #define UNPACKED_ROWS(R)                                                                              \
@@ -171,8 +187,9 @@ static inline int is_kquant(int bits) { return bits == SPECDEC_TILE_Q4_K || bits
 
 /* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
  * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
- * the byte offset of each tile in it and `tile_bits[N/16]` its format (4, 8, or a k-quant tile,
- * SPECDEC_TILE_Q4_K or SPECDEC_TILE_Q6_K, whose calls need K % 256 == 0). x, y, residual
+ * the byte offset of each tile in it and `tile_bits[N/16]` its format (4, 8, a GGUF tile
+ * SPECDEC_TILE_Q5_0 or _Q8_0, or a k-quant tile SPECDEC_TILE_Q4_K or _Q6_K, whose calls need
+ * K % 256 == 0). x, y, residual
  * [M, N] (NULL: none; may be y) and norm_w are fp32 or bf16 (flags; residual as y), bias fp32
  * or NULL. Returns SPECDEC_OK, SPECDEC_ERR_INVALID_ARGUMENT (sizes off the tile grid, a missing
  * buffer, a tile of no format, norm and glu together) or SPECDEC_ERR_NO_MEMORY. */
@@ -185,7 +202,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         return SPECDEC_ERR_INVALID_ARGUMENT;
     int grouped = 0, kquant = 0; /* which activation quantizations the tiles need */
     for (int64_t t = 0; t < n / TILE; t++) {
-        if (tile_bits[t] == 4 || tile_bits[t] == 8) grouped = 1;
+        if (is_grouped(tile_bits[t])) grouped = 1;
         else if (is_kquant(tile_bits[t])) kquant = 1;
         else return SPECDEC_ERR_INVALID_ARGUMENT;
     }
@@ -230,6 +247,11 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             if (is_kquant(bits)) {
                 for (; row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS);
                 for (; row < m; row++) KQUANT_ROWS(1);
+                continue;
+            }
+            if (bits == SPECDEC_TILE_Q5_0) {
+                for (; row + Q50_PASS <= m; row += Q50_PASS) Q50_ROWS(Q50_PASS);
+                for (; row < m; row++) Q50_ROWS(1);
                 continue;
             }
 #ifdef UNPACKED_GROUP

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from specdec import native
-from specdec.kernel_abi import GROUP, SUPER, TILE, TILE_Q4_K, TILE_Q6_K, check_tensor
+from specdec.kernel_abi import GROUP, SUPER, TILE, TILE_Q4_K, TILE_Q5_0, TILE_Q6_K, TILE_Q8_0, check_tensor
 from specdec.target.quant import kquant
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-HEADERS = (SOURCE.with_name("qgemm_tiles.h"), SOURCE.with_name("kquant_tiles.h"))
+HEADERS = tuple(SOURCE.with_name(h) for h in ("qgemm_tiles.h", "kquant_tiles.h", "block32_tiles.h"))
 
 
 def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
@@ -29,7 +29,7 @@ def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
 
 FLOATS = (torch.bfloat16, torch.float32)  # what x, y, residual and norm weights may be
 GROUP_BYTES = {4: 320, 8: 544}  # bytes per group of 32 inputs in an int4 / int8 tile (qgemm.c)
-TILE_KINDS = {4: "int4", 8: "int8", TILE_Q4_K: "Q4_K", TILE_Q6_K: "Q6_K"}  # tile_bits -> its format
+TILE_KINDS = {4: "int4", 8: "int8", TILE_Q4_K: "Q4_K", TILE_Q6_K: "Q6_K", TILE_Q5_0: "Q5_0", TILE_Q8_0: "Q8_0"}  # tile_bits -> format
 
 
 def tile_size(bits: int, in_features: int) -> int:
@@ -80,7 +80,7 @@ def check_weights(tiles: torch.Tensor, tile_offsets: torch.Tensor, tile_bits: to
     kinds = set(tile_bits.unique().tolist())
     if not kinds <= TILE_KINDS.keys():
         raise ValueError(f"tile_bits must all be one of {sorted(TILE_KINDS)}, got {sorted(kinds - TILE_KINDS.keys())}")
-    if kinds & kquant.BLOCK_BYTES.keys() and in_features % SUPER:
+    if kinds & kquant.SUPER_KINDS and in_features % SUPER:
         raise ValueError(f"k-quant tiles need in_features % {SUPER} == 0, got {in_features}")
     sizes = torch.tensor([tile_size(b, in_features) if b in kinds else 0 for b in range(max(TILE_KINDS) + 1)])
     ends = tile_offsets + sizes[tile_bits.long()]

@@ -6,7 +6,9 @@
  * then scaled with the same fp32 operations in the same order, so the levels agree bitwise:
  *   acc += step * (cvt(isum) * xs - off * xs * sum(xq)) + zero * xs * sum(xq)   (int4)
  *   acc += step * (cvt(isum) * xs - 128 * xs * sum(xq))                         (int8)
- * where isum = sum(q * xq) with the unsigned weights q (0..15, or 1..255).
+ * where isum = sum(q * xq) with the unsigned weights q (0..15, or 1..255). GGUF's Q8_0 tiles are
+ * int8 tiles whose steps are the file's fp16 d (q + 128 may be 0 there: the AVX2 products then
+ * reach 2 x 128 x 127, still inside int16).
  */
 
 /* What a pass over a tile prefetches, as a distance from the bytes it reads (`ahead`). The tile's
@@ -77,7 +79,8 @@ static inline __attribute__((always_inline)) void tile_rows_ahead(
                 }
             }
         }
-        const __m512 step = vf_load_bf16((const uint16_t *)p);
+        const __m512 step = bits == SPECDEC_TILE_Q8_0 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p))
+                                                      : vf_load_bf16((const uint16_t *)p); /* int8, Q8_0 */
         p += 32;
         if (bits == 4) {
             const __m512 zero = vf_load_bf16((const uint16_t *)p);
@@ -326,7 +329,8 @@ static inline __attribute__((always_inline)) void tile_rows(
             for (int64_t line = 0; line < 544; line += 64) _mm_prefetch((const char *)p + ahead + line, _MM_HINT_T0);
             __m256i isum[MAX_ROWS];
             dot_int8(p + 32 * h, xq + g * GROUP, k, gc + g, groups, R, isum);
-            const __m256 step = load_bf16x8_bytes(p + 512 + 16 * h);
+            const __m256 step = bits == SPECDEC_TILE_Q8_0 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 512 + 16 * h)))
+                                                          : load_bf16x8_bytes(p + 512 + 16 * h); /* int8, Q8_0 */
             for (int r = 0; r < R; r++) {
                 const struct group_consts *c = &gc[r * groups + g];
                 __m256 t = _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(c->scale),

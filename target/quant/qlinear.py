@@ -24,7 +24,7 @@ import weakref
 import torch
 from torch import nn
 
-from specdec.kernel_abi import SUPER, check_tensor, raise_for_status
+from specdec.kernel_abi import SUPER, TILE_Q8_0, check_tensor, raise_for_status
 from specdec.target.quant import kquant
 from specdec.target.quant.int4 import chunk_rows, quantize_int4
 from specdec.target.quant.int8 import cat_biases
@@ -93,12 +93,14 @@ class QLinear(nn.Module):
 
     @classmethod
     def from_gguf(cls, raw, kind: int, in_features: int, bias: torch.Tensor | None) -> "QLinear":
-        """From a GGUF tensor's blocks as stored, `raw [N, K / 256 * block bytes]` uint8 of
-        `kind` (ggml's Q4_K or Q6_K type id): repacked, not re-quantized (`kquant`)."""
+        """From a GGUF tensor's blocks as stored, `raw [N, K / inputs per block * block bytes]`
+        uint8 of tile `kind` (`kquant.GGML_KINDS[ggml type]`: Q4_K, Q6_K, Q5_0 or Q8_0):
+        repacked, not re-quantized (`kquant`)."""
         n = raw.shape[0]
         if not kquant.fits(kind, n, in_features):
-            raise ValueError(f"k-quant tiles need a Q4_K or Q6_K tensor with out_features % {TILE} == 0 and "
-                             f"in_features % {SUPER} == 0, got type {kind}, {n}x{in_features}")
+            inputs = kquant.BLOCK_INPUTS.get(kind, SUPER)
+            raise ValueError(f"GGUF tiles need a Q4_K, Q6_K, Q5_0 or Q8_0 tensor with out_features % {TILE} == 0 and "
+                             f"in_features % {inputs} == 0, got tile kind {kind}, {n}x{in_features}")
         tiles = kquant.pack_kquant(raw, kind)
         size = kquant.tile_bytes(kind, in_features)
         offsets = torch.arange(n // TILE, dtype=torch.int64) * size
@@ -175,29 +177,33 @@ class QLinear(nn.Module):
 
 def take_rows(module: QLinear, ids: torch.Tensor) -> QLinear:
     """A `QLinear` of `module`'s output rows `ids [R]` (R % 16 == 0), exactly: the integers and
-    scales of int4 / int8 tiles are moved, not re-quantized (a head over part of a vocabulary:
-    `draft.vocab`). Other tiles (k-quant, mixed formats) are dequantized and quantized again."""
+    scales of int4 / int8 / Q8_0 tiles are moved, not re-quantized (a head over part of a
+    vocabulary: `draft.vocab`). Other tiles (Q4_K, Q6_K, Q5_0, mixed formats) are dequantized and
+    quantized again."""
     if ids.numel() % TILE:
         raise ValueError(f"rows are taken in whole tiles of {TILE}, got {ids.numel()}")
     bias = None if module.bias is None else module.bias[ids]
     kinds = set(module.tile_bits.tolist())
-    if len(kinds) != 1 or kinds - {4, 8}:
+    if len(kinds) != 1 or kinds - {4, 8, TILE_Q8_0}:
         return QLinear.from_weight(dequantize(module)[ids], bias, int4_max_error=0.02)
     bits = kinds.pop()
     k, g, size, count = module.in_features, module.in_features // GROUP, tile_size(bits, module.in_features), len(ids)
-    whole = _whole_tiles(module, size).view(-1, g, GROUP_BYTES[bits])  # [T, g, group bytes]
+    whole = _whole_tiles(module, size).view(-1, g, size // g)  # [T, g, group bytes]
     t, n = ids // TILE, ids % TILE  # each row's tile and its place there
 
-    def steps(at: int) -> torch.Tensor:  # [R, g] the bf16 values of row n at byte `at` of each group
-        return whole[t, :, at : at + 32].contiguous().view(torch.bfloat16).gather(2, n[:, None, None].expand(-1, g, 1)).squeeze(2)
+    def steps(at: int, dtype: torch.dtype) -> torch.Tensor:  # [R, g] row n's 2-byte values at byte `at` of each group
+        return whole[t, :, at : at + 32].contiguous().view(dtype).gather(2, n[:, None, None].expand(-1, g, 1)).squeeze(2)
 
     if bits == 4:
         b = whole[:, :, :256].view(-1, g, 4, TILE, 4)[t, :, :, n]  # [R, g, b, i]
         q = torch.stack([b & 15, b >> 4], -2).reshape(count, k)  # k = 32 g + 8 b + 4 h + i
-        tiles = pack_int4(q, steps(256), steps(288))
-    else:
+        tiles = pack_int4(q, steps(256, torch.bfloat16), steps(288, torch.bfloat16))
+    else:  # int8 or Q8_0 (bf16 or fp16 steps): the bytes moved as they are
         b = whole[:, :, :512].view(-1, g, 8, TILE, 4)[t, :, :, n]  # [R, g, b, i]
-        tiles = pack_int8(b.reshape(count, k).to(torch.int32) - 128, steps(512))
+        tcount = count // TILE
+        w = b.reshape(tcount, TILE, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(tcount, g, 512)
+        s = steps(512, torch.int16).view(tcount, TILE, g).permute(0, 2, 1).contiguous().view(torch.uint8)
+        tiles = torch.cat([w, s.view(tcount, g, 32)], -1).reshape(-1)
     t = len(ids) // TILE
     offsets = torch.arange(t, dtype=torch.int64) * tile_size(bits, k)
     return QLinear(tiles, offsets, torch.full((t,), bits, dtype=torch.uint8), k, bias)
@@ -365,10 +371,11 @@ def _untile(b: torch.Tensor) -> torch.Tensor:  # [g, 32] bytes -> [16, g] fp32
 
 def reference_qgemm(x: torch.Tensor, module: QLinear) -> torch.Tensor:
     """What the kernel computes, in torch: x quantized per row and group of 32 (per 256 for
-    k-quant tiles), times the weights `dequantize` gives, in fp32 (the kernel matches it up to fp32
+    Q4_K / Q6_K tiles), times the weights `dequantize` gives, in fp32 (the kernel matches it up to fp32
     rounding order)."""
     w = dequantize(module)  # [N, K]
-    kquant_cols = (module.tile_bits[:, None].expand(-1, TILE).reshape(-1) > 8)  # [N]
+    super_kinds = torch.tensor(sorted(kquant.SUPER_KINDS), dtype=module.tile_bits.dtype)
+    kquant_cols = torch.isin(module.tile_bits, super_kinds)[:, None].expand(-1, TILE).reshape(-1)  # [N]
     y = _fake_quant(x, GROUP) @ w.t()
     if kquant_cols.any():
         y[:, kquant_cols] = _fake_quant(x, SUPER) @ w[kquant_cols].t()

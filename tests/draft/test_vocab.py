@@ -52,15 +52,20 @@ def test_expanded_logits_give_zero_probability_outside_the_set():
 
 
 @pytest.mark.skipif(qgemm.unavailable_reason() is not None, reason="w4a8 kernel unavailable")
-@pytest.mark.parametrize("int4", [True, False])
+@pytest.mark.parametrize("kind", ["int4", "int8", "Q8_0"])
 @pytest.mark.parametrize("shuffled", [False, True])
-def test_a_w4a8_heads_rows_are_taken_exactly(int4, shuffled):
+def test_a_quantized_heads_rows_are_taken_exactly(kind, shuffled):
+    from specdec.kernel_abi import TILE_Q8_0
     from specdec.target.quant.qgemm import tile_size
     from specdec.target.quant.qlinear import QLinear, dequantize, take_rows
+    from tests.target.test_kquant import k_blocks
     from tests.target.test_quant import grid_weights
 
-    w = grid_weights(64, 96, seed=1) if int4 else torch.randn(64, 96) * 0.05
-    head = QLinear.from_weight(w, torch.randn(64), int4_max_error=0.02)
+    if kind == "Q8_0":  # a GGUF's tied Q8_0 embedding as the head, read as stored
+        head = QLinear.from_gguf(k_blocks(TILE_Q8_0, 64, 96, seed=1), TILE_Q8_0, 96, torch.randn(64))
+    else:
+        w = grid_weights(64, 96, seed=1) if kind == "int4" else torch.randn(64, 96) * 0.05
+        head = QLinear.from_weight(w, torch.randn(64), int4_max_error=0.02)
     if shuffled:  # the same tiles stored in another order, found through tile_offsets
         size = tile_size(int(head.tile_bits[0]), 96)
         order = torch.tensor([2, 0, 3, 1])
@@ -68,6 +73,7 @@ def test_a_w4a8_heads_rows_are_taken_exactly(int4, shuffled):
         head.tile_offsets = order.argsort() * size
     ids = torch.tensor(sorted(torch.randperm(64, generator=torch.Generator().manual_seed(2))[:32].tolist()))
     rows = take_rows(head, ids)
+    assert torch.equal(rows.tile_bits.unique(), head.tile_bits.unique())
     assert torch.equal(dequantize(rows), dequantize(head)[ids]) and torch.equal(rows.bias, head.bias[ids])
     x = torch.randn(3, 96).bfloat16()
     assert torch.equal(rows(x), head(x)[:, ids])

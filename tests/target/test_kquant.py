@@ -10,26 +10,30 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from specdec.kernel_abi import TILE_Q4_K, TILE_Q6_K
+from specdec.kernel_abi import TILE_Q4_K, TILE_Q5_0, TILE_Q6_K, TILE_Q8_0
 from specdec.target.quant import kquant, qgemm
 from specdec.target.quant.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
 
 pytestmark = pytest.mark.skipif(
     qgemm.unavailable_reason() is not None, reason=f"w4a8 kernel unavailable: {qgemm.unavailable_reason()}"
 )
-KINDS = {TILE_Q4_K: T.Q4_K, TILE_Q6_K: T.Q6_K}
+KINDS = {TILE_Q4_K: T.Q4_K, TILE_Q6_K: T.Q6_K, TILE_Q5_0: T.Q5_0, TILE_Q8_0: T.Q8_0}
 
 
 def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Random valid blocks `[rows, cols / 256 * block bytes]`: every quant code and sub-scale,
-    fp16 super-block scales spread over four decades (gguf cannot quantize to k-quants)."""
+    """Random valid blocks `[rows, cols / inputs per block * block bytes]`: every quant code and
+    sub-scale (Q8_0's -128 included), fp16 scales spread over four decades (gguf cannot quantize
+    to k-quants)."""
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, cols // 256, kquant.BLOCK_BYTES[kind]), dtype=np.uint8)
-    scales = (10.0 ** rng.uniform(-5, -1, (rows, cols // 256, 2))).astype(np.float16).view(np.uint8)
+    count = cols // kquant.BLOCK_INPUTS[kind]
+    blocks = rng.integers(0, 256, (rows, count, kquant.BLOCK_BYTES[kind]), dtype=np.uint8)
+    scales = (10.0 ** rng.uniform(-5, -1, (rows, count, 2))).astype(np.float16).view(np.uint8)
     if kind == TILE_Q4_K:  # d, dmin (fp16), scales[12], qs[128]
-        blocks[..., 0:4] = scales.reshape(rows, cols // 256, 4)
-    else:  # ql[128], qh[64], scales[16] int8, d (fp16)
+        blocks[..., 0:4] = scales.reshape(rows, count, 4)
+    elif kind == TILE_Q6_K:  # ql[128], qh[64], scales[16] int8, d (fp16)
         blocks[..., 208:210] = scales[..., :2]
+    else:  # Q5_0: d (fp16), qh[4], qs[16]; Q8_0: d (fp16), qs[32] int8
+        blocks[..., 0:2] = scales[..., :2]
     return blocks.reshape(rows, -1)
 
 
@@ -37,7 +41,7 @@ def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 def test_tiles_hold_exactly_the_files_weights_in_the_files_bytes(kind):
     raw = k_blocks(kind, 48, 768)
     q = QLinear.from_gguf(raw, kind, 768, None)
-    assert q.tiles.numel() == raw.nbytes  # 4.5 / 6.5625 bits a weight, as the file
+    assert q.tiles.numel() == raw.nbytes  # 4.5 / 6.5625 / 5.5 / 8.5 bits a weight, as the file
     expected = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]))
     assert torch.equal(dequantize(q), expected)
 
@@ -52,7 +56,8 @@ def test_the_c_packer_gives_the_torch_packers_bytes(kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 13])
-def test_kernel_computes_the_product_with_activations_per_256(kind, dtype, rows, simd_level):
+def test_kernel_computes_the_product_with_its_activations(kind, dtype, rows, simd_level):
+    """Activations per 256 inputs for Q4_K / Q6_K, per 32 for Q5_0 / Q8_0 (`reference_qgemm`)."""
     g = torch.Generator().manual_seed(rows)
     q = QLinear.from_gguf(k_blocks(kind, 32, 512, seed=1), kind, 512, torch.randn(32, generator=g))
     x = (torch.randn(rows, 512, generator=g) * 3).to(dtype)
@@ -63,21 +68,25 @@ def test_kernel_computes_the_product_with_activations_per_256(kind, dtype, rows,
 
 
 def test_fused_epilogues_and_mixed_formats_match_their_parts(simd_level):
-    """A k-quant tile beside int4 / int8 tiles in one fused linear (Q4_K_M's q/k/v: Q4_K, Q4_K,
-    Q6_K): each part's outputs bitwise what it gives alone, with the norm, GLU and residual fused."""
+    """GGUF tiles beside int4 / int8 tiles in one fused linear (Q4_K_M's q/k/v: Q4_K, Q4_K, Q6_K;
+    the draft's: Q5_0, and Q8_0 where a tensor is): each part's outputs bitwise what it gives alone,
+    with the norm, GLU and residual fused."""
     g = torch.Generator().manual_seed(7)
     parts = [QLinear.from_gguf(k_blocks(TILE_Q4_K, 32, 256, seed=4), TILE_Q4_K, 256, None),
              QLinear.from_gguf(k_blocks(TILE_Q6_K, 16, 256, seed=5), TILE_Q6_K, 256, torch.randn(16, generator=g)),
-             QLinear.from_weight(torch.randn(16, 256, generator=g) * 0.05, None, int4_max_error=0.0)]
+             QLinear.from_weight(torch.randn(16, 256, generator=g) * 0.05, None, int4_max_error=0.0),
+             QLinear.from_gguf(k_blocks(TILE_Q5_0, 32, 256, seed=6), TILE_Q5_0, 256, None),
+             QLinear.from_weight(torch.randn(16, 256, generator=g) * 0.05, None, int4_max_error=1.0),
+             QLinear.from_gguf(k_blocks(TILE_Q8_0, 16, 256, seed=8), TILE_Q8_0, 256, torch.randn(16, generator=g))]
     fused = fuse_qlinear(parts)
-    assert set(fused.tile_bits.tolist()) == {TILE_Q4_K, TILE_Q6_K, 8}
+    assert set(fused.tile_bits.tolist()) == {TILE_Q4_K, TILE_Q6_K, 8, TILE_Q5_0, 4, TILE_Q8_0}
     x, norm = torch.randn(5, 256, generator=g).bfloat16(), (torch.rand(256, generator=g) + 0.5).bfloat16()
     gate_up = torch.randn(5, 512, generator=g).bfloat16()
-    residual = torch.randn(5, 64, generator=g).bfloat16()
+    residual = torch.randn(5, 128, generator=g).bfloat16()
     for call in (lambda m, r: m(x), lambda m, r: m(gate_up, glu=True),
                  lambda m, r: m(x, norm_weight=norm, eps=1e-6, residual=r)):
         whole = call(fused, residual)
-        ends = [0, 32, 48, 64]
+        ends = [0, 32, 48, 64, 96, 112, 128]
         pieces = [call(p, residual[:, a:b]) for p, a, b in zip(parts, ends, ends[1:])]
         assert torch.equal(whole, torch.cat(pieces, -1))
 
@@ -104,8 +113,8 @@ def _tiny_gguf(tmp_path, monkeypatch, k_quants_only: bool):
 
 
 def test_gguf_mode_reads_k_quant_tensors_as_stored(tmp_path, monkeypatch):
-    """Mode "gguf" on a GGUF of Q4_K / Q6_K / Q8_0 / Q5_0 tensors: the k-quant ones become tiles
-    holding the file's values exactly, the rest "w4a8-auto" tiles, cached like any mode."""
+    """Mode "gguf" on a GGUF of Q4_K / Q6_K / Q8_0 / Q5_0 / F16 tensors: the quantized ones become
+    tiles holding the file's values exactly, the F16 head "w4a8-auto" tiles, cached like any mode."""
     from specdec.target.model_weights import load_model
     from specdec.target.quant.cache_file import quant_cache_path
     from tests.target.test_gguf_streaming import _prompt_inputs
@@ -120,7 +129,12 @@ def test_gguf_mode_reads_k_quant_tensors_as_stored(tmp_path, monkeypatch):
     expected = torch.cat([d.self_attn.q_proj.weight, d.self_attn.k_proj.weight, d.self_attn.v_proj.weight])
     assert torch.equal(dequantize(qkv), expected)
     assert torch.equal(dequantize(mlp.down_proj), d.mlp.down_proj.weight)  # Q6_K
-    assert set(model.model.layers[1].self_attn.o_proj.tile_bits.tolist()) <= {4, 8}  # Q8_0: re-quantized
+    assert set(attn.o_proj.tile_bits.tolist()) == {TILE_Q8_0}
+    assert torch.equal(dequantize(attn.o_proj), d.self_attn.o_proj.weight)
+    gate_up = getattr(mlp, "gate_up_proj", None)
+    assert gate_up is not None and set(gate_up.tile_bits.tolist()) == {TILE_Q5_0, TILE_Q4_K}
+    assert torch.equal(dequantize(gate_up), torch.cat([d.mlp.gate_proj.weight, d.mlp.up_proj.weight]))
+    assert set(model.lm_head.tile_bits.tolist()) <= {4, 8}  # F16: quantized here
     assert quant_cache_path(folder, "gguf", torch.bfloat16).exists()
     assert model(*_prompt_inputs(model)).isfinite().all()
 
@@ -139,8 +153,8 @@ def test_a_model_wholly_in_k_quants_loads_without_a_cache_and_answers_as_a_cache
 
 
 def test_every_level_computes_kquant_tiles_bitwise_the_same(monkeypatch):
-    """The k-quant tiles run one 256-bit source at every level: the AVX-512 VNNI, AVX-VNNI and
-    AVX2 builds agree bit for bit (1 to 13 rows, each fusion). Compares the levels this machine runs."""
+    """The GGUF tiles run one 256-bit source at every level (Q8_0: the int8 tiles' per-level
+    code): the AVX-512 VNNI, AVX-VNNI and AVX2 builds agree bit for bit (1 to 13 rows, each fusion). Compares the levels this machine runs."""
     from tests.conftest import MACHINE_LEVELS
 
     if len(MACHINE_LEVELS) < 2:

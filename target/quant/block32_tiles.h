@@ -1,0 +1,69 @@
+/* qgemm's tiles in GGUF's Q5_0 format (included by qgemm.c after kquant_tiles.h): blocks of 32
+ * inputs, w = d * (q - 16) with q 0..31 and one fp16 d per block, repacked at load (`kquant.py`)
+ * with the file's 22 bytes per 32 weights and read as they are. Activations are the int4 / int8
+ * tiles' (int8 per row and group of 32, `struct group_consts`):
+ *     y += (d * xs) * cvt(sum(q * xq) - 16 * sum(xq))
+ * The integer sum is exact and the float steps are the same 256-bit operations at every level, so
+ * every level returns bitwise the same results. (GGUF's Q8_0 tiles are the int8 tiles with fp16
+ * steps: `tile_rows` reads them.)
+ *
+ * Group layout (352 = 16 x 22 bytes, outputs n = 0..15): 4 blocks of 64 B with the low nibbles in
+ * the int4 tiles' layout (byte 4n+i: (q[n][8b+i] & 15) | (q[n][8b+4+i] & 15) << 4); 64 B of top
+ * bits (byte 4n+i, bit 2b+h: the top bit of q[n][8b+4h+i]); d[16] fp16.
+ */
+
+#define Q50_GROUP_BYTES 352
+#define Q50_PASS 2 /* rows per pass: their int16 and int32 sums and both halves' weights fill the ymm registers */
+
+/* bit s (0..7) of every byte of t moved to bit 4, the rest cleared */
+static inline __attribute__((always_inline)) __m256i q50_top(__m256i t, int s) {
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    return _mm256_and_si256(s <= 4 ? _mm256_slli_epi16(t, 4 - s) : _mm256_srli_epi16(t, s - 4), bit4);
+}
+
+/* R <= Q50_PASS rows (xq `k` apart, consts `groups` apart) against a Q5_0 tile: lo[r], hi[r]
+ * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. The 5-bit products sum in int16
+ * over two blocks (at most 4 x 2 x 31 x 127 = 31496), then in int32. */
+static inline __attribute__((always_inline)) void q50_rows(const uint8_t *tile, int64_t ahead, int64_t groups,
+                                                          const int8_t *xq, const struct group_consts *gc,
+                                                          int64_t k, const int R, __m256 *lo, __m256 *hi) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = tile + g * Q50_GROUP_BYTES;
+        for (int line = 0; line < Q50_GROUP_BYTES; line += 64) _mm_prefetch((const char *)p + ahead + line, _MM_HINT_T0);
+        const int8_t *xg = xq + g * GROUP;
+        const __m256i t0 = _mm256_loadu_si256((const __m256i *)(p + 256)), t1 = _mm256_loadu_si256((const __m256i *)(p + 288));
+        __m256i i0[Q50_PASS], i1[Q50_PASS];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+        for (int pair = 0; pair < 2; pair++) {
+            __m256i s0[Q50_PASS], s1[Q50_PASS];
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+            for (int b = 2 * pair; b < 2 * pair + 2; b++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + 64 * b));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(p + 64 * b + 32));
+                const __m256i l0 = _mm256_or_si256(_mm256_and_si256(v0, nibble), q50_top(t0, 2 * b));
+                const __m256i l1 = _mm256_or_si256(_mm256_and_si256(v1, nibble), q50_top(t1, 2 * b));
+                const __m256i h0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble), q50_top(t0, 2 * b + 1));
+                const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble), q50_top(t1, 2 * b + 1));
+                for (int r = 0; r < R; r++) {
+                    MADDUBS_ACC2(s0[r], s1[r], l0, l1, xg + r * k + 8 * b);
+                    MADDUBS_ACC2(s0[r], s1[r], h0, h1, xg + r * k + 8 * b + 4);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(s0[r], ones));
+                i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(s1[r], ones));
+            }
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 320)));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 336)));
+        for (int r = 0; r < R; r++) {
+            const struct group_consts *c = &gc[r * groups + g];
+            const __m256i off = _mm256_set1_epi32(16 * c->isum);
+            const __m256 xs = _mm256_set1_ps(c->scale);
+            lo[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(i0[r], off)), lo[r]);
+            hi[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(i1[r], off)), hi[r]);
+        }
+    }
+}
