@@ -31,6 +31,7 @@ import torch
 
 from specdec import kernel_abi, native
 from specdec.target.moe import SparseMoE
+from specdec.target.quant.modes import QUANT_MODES
 
 ROOFLINE_SOURCE = Path(__file__).with_name("roofline.c")
 FUNCTIONS = ("roofline_read_bandwidth", "roofline_int8_peak")
@@ -192,7 +193,7 @@ def _library(level: str) -> ctypes.CDLL:
 
 
 def report(machine: Machine, target: ModelCost, draft: ModelCost | None, gguf_target_bytes: int | None,
-           workloads: list[Workload], max_tokens: int, max_k: int) -> str:
+           workloads: list[Workload], max_tokens: int, max_k: int, gguf_draft_bytes: int | None = None) -> str:
     """The ceilings as markdown: per level, and against llama.cpp's memory floor where known."""
     bw = machine.read_bytes_per_s
     lines = [f"Machine: {machine.threads} threads · read bandwidth {bw / 1e9:.1f} GB/s · int8 peak "
@@ -207,6 +208,8 @@ def report(machine: Machine, target: ModelCost, draft: ModelCost | None, gguf_ta
         llama_tg = bw / gguf_target_bytes
         lines.append(f"| llama.cpp, the target's GGUF | {gguf_target_bytes / 1e9:.3f} GB | | "
                      f"{1e3 / llama_tg:.1f} ms: tg128 at most {llama_tg:.1f} tok/s |")
+    if gguf_draft_bytes and draft:
+        lines.append(f"| llama.cpp, the draft's GGUF | {gguf_draft_bytes / 1e9:.3f} GB | | {1e3 * gguf_draft_bytes / bw:.1f} ms |")
     best_k = f"; speculative: the best fixed k <= {max_k}" if draft else ""
     lines += ["", f"Ceilings per level ({max_tokens} new tokens a request, the prompt counted{best_k}):", ""]
     head = "| level | prefill tok/s (512 tokens) | rows a target forward takes before compute binds |"
@@ -246,6 +249,8 @@ def main(argv: list[str] | None = None) -> None:
                              + ", ".join(DEFAULT_WORKLOADS) + ")")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-k", type=int, default=8)
+    parser.add_argument("--target-quant", choices=QUANT_MODES, default=None, help="default: the engine's")
+    parser.add_argument("--draft-quant", choices=QUANT_MODES, default=None, help="default: the engine's")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.max_tokens < 1 or args.max_k < 1:
         parser.error("--threads, --max-tokens and --max-k must be at least 1")
@@ -263,13 +268,15 @@ def main(argv: list[str] | None = None) -> None:
 
     draft_spec = None if args.draft == "none" else args.draft
     torch.set_num_threads(args.threads)
-    config = EngineConfig(target=args.target, draft=draft_spec, proposer="draft" if draft_spec else "none")
+    config = EngineConfig(target=args.target, draft=draft_spec, proposer="draft" if draft_spec else "none",
+                          target_quant=args.target_quant, draft_quant=args.draft_quant)
     target_model, draft_model, _ = load_engine_parts(config)
     target = model_cost(target_model, f"target ({args.target})")
     draft = model_cost(draft_model, f"draft ({draft_spec})") if draft_model is not None else None
     paths = gguf_paths(resolve_model(args.target))
+    draft_paths = gguf_paths(resolve_model(draft_spec)) if draft_spec else []
     print(report(machine, target, draft, gguf_bytes_per_token(paths) if paths else None, workloads,
-                 args.max_tokens, args.max_k))
+                 args.max_tokens, args.max_k, gguf_bytes_per_token(draft_paths) if draft_paths else None))
 
 
 if __name__ == "__main__":

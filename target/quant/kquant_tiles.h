@@ -182,3 +182,118 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *tile, 
         }
     }
 }
+
+/* Many rows (a prefill chunk, at least KQUANT_UNPACKED_ROWS): each tile is decoded once per call
+ * into a per-thread buffer (`kquant_unpack`: the vectors q4k_rows / q6k_rows compute in every
+ * pass, stored), and passes of KQUANT_PASS rows load them (`kquant_rows_unpacked`): the same
+ * integer sums and fp32 operations, so the results are bitwise the register path's.
+ * `kernel_ab.py` (docs/results/issue38) at avx2: 1.06-1.17x (Q4_K) and 1.11-1.26x (Q6_K) at
+ * 16-512 rows. (Sharing one source with the register path made its 1-3 row passes 5-20% slower.) */
+#define Q4K_UNPACKED 4992 /* 32 blocks x 4 x 32 B, sc pairs 8 x 64 B, min pairs 4 x 64 B, d, d1, dmin, dmin1 x 32 B */
+#define Q6K_UNPACKED 5696 /* 32 blocks x 4 x 32 B, sc pairs 16 x 64 B, offset pairs 8 x 64 B, d, d1 x 32 B */
+#define KQUANT_UNPACKED_MAX Q6K_UNPACKED
+#define KQUANT_UNPACKED_ROWS 8
+
+static inline void store256(uint8_t *q, __m256i v) { _mm256_store_si256((__m256i *)q, v); }
+static inline __m256i load256(const uint8_t *q) { return _mm256_load_si256((const __m256i *)q); }
+static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* Decode super-block s of a k-quant tile of `kind` into q (KQUANT_UNPACKED_MAX bytes, 64-byte
+ * aligned): what q4k_rows / q6k_rows compute in registers, stored. */
+static void kquant_unpack(int kind, const uint8_t *tile, int64_t s, uint8_t *q) {
+    const int q4 = kind == SPECDEC_TILE_Q4_K;
+    const uint8_t *p = tile + s * (q4 ? Q4K_SUPER_BYTES : Q6K_SUPER_BYTES);
+    for (int line = 0; line < (q4 ? Q4K_SUPER_BYTES : Q6K_SUPER_BYTES); line += 64)
+        _mm_prefetch((const char *)p + PREFETCH_BYTES + line, _MM_HINT_T0);
+    for (int b = 0; b < 32; b++) {
+        __m256i v[4];
+        if (q4) {
+            const __m256i nibble = _mm256_set1_epi8(0x0F);
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + 64 * b)), v1 = _mm256_loadu_si256((const __m256i *)(p + 64 * b + 32));
+            v[0] = _mm256_and_si256(v0, nibble), v[1] = _mm256_and_si256(v1, nibble);
+            v[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble), v[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+        } else {
+            q6k_block(p + 96 * b, v);
+        }
+        for (int i = 0; i < 4; i++) store256(q + 128 * b + 32 * i, v[i]);
+    }
+    if (q4) {
+        __m128i scs[8], mins[8];
+        for (int j = 0; j < 8; j++) {
+            q4k_scales(p + 2048, j, &scs[j], &mins[j]);
+            store256(q + 4096 + 64 * j, pairs16_lo(scs[j], 0)), store256(q + 4096 + 64 * j + 32, pairs16_hi(scs[j], 0));
+        }
+        for (int j = 0; j < 8; j += 2)
+            store256(q + 4608 + 32 * j, zip16_lo(mins[j], mins[j + 1], 0)), store256(q + 4608 + 32 * j + 32, zip16_hi(mins[j], mins[j + 1], 0));
+        for (int i = 0; i < 4; i++) _mm256_store_ps((float *)(q + 4864 + 32 * i), f16x8(p + 2240 + 16 * i));
+        return;
+    }
+    const uint8_t *scales = p + 3072;
+    for (int j = 0; j < 16; j++) {
+        const __m128i scj = _mm_loadu_si128((const __m128i *)(scales + 16 * j));
+        store256(q + 4096 + 64 * j, pairs16_lo(scj, 1)), store256(q + 4096 + 64 * j + 32, pairs16_hi(scj, 1));
+    }
+    for (int j = 0; j < 16; j += 2) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(scales + 16 * j));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(scales + 16 * j + 16));
+        store256(q + 5120 + 32 * j, _mm256_slli_epi16(zip16_lo(a, b, 1), 5));
+        store256(q + 5120 + 32 * j + 32, _mm256_slli_epi16(zip16_hi(a, b, 1), 5));
+    }
+    for (int i = 0; i < 2; i++) _mm256_store_ps((float *)(q + 5632 + 32 * i), f16x8(p + 3328 + 16 * i));
+}
+
+/* KQUANT_PASS rows against a tile decoded into u (`kquant_unpack` of each super-block,
+ * KQUANT_UNPACKED_MAX bytes apart): lo[r], hi[r] receive outputs 0-7 and 8-15, as q4k_rows and
+ * q6k_rows compute them. */
+static inline __attribute__((always_inline)) void kquant_rows_unpacked(int kind, const uint8_t *u, int64_t supers,
+                                                                      const int8_t *xq, const struct super_consts *sc,
+                                                                      int64_t k, __m256 *lo, __m256 *hi) {
+    const int R = KQUANT_PASS, q4 = kind == SPECDEC_TILE_Q4_K, per = q4 ? 4 : 2; /* blocks per sub-block */
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *q = u + s * KQUANT_UNPACKED_MAX;
+        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS], m0[KQUANT_PASS], m1[KQUANT_PASS];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 32 / per; j++) {
+            const __m256i sc0 = load256(q + 4096 + 64 * j), sc1 = load256(q + 4096 + 64 * j + 32);
+            for (int b = per * j; b < per * j + per; b++) {
+                const uint8_t *w = q + 128 * b;
+                const __m256i v0 = load256(w), v1 = load256(w + 32), v2 = load256(w + 64), v3 = load256(w + 96);
+                for (int r = 0; r < R; r++)
+                    KQ_ROW(i0[r], i1[r], v0, v1, v2, v3, sc0, sc1, xq + r * k + s * SUPER + 8 * b);
+            }
+        }
+        /* the offsets' sums: Q4_K's mins times the sums per 32, Q6_K's 32 * sc times the sums per 16 */
+        for (int r = 0; r < R; r++) m0[r] = m1[r] = _mm256_setzero_si256();
+        for (int j = 0; j < (q4 ? 8 : 16); j += 2) {
+            const uint8_t *pairs = q + (q4 ? 4608 : 5120) + 32 * j;
+            const __m256i p0 = load256(pairs), p1 = load256(pairs + 32);
+            for (int r = 0; r < R; r++) {
+                const struct super_consts *c = &sc[r * supers + s];
+                const __m256i xs = _mm256_set1_epi32(*(const int32_t *)(q4 ? &c->sum32[j] : &c->sum16[j]));
+                m0[r] = _mm256_add_epi32(m0[r], _mm256_madd_epi16(p0, xs));
+                m1[r] = _mm256_add_epi32(m1[r], _mm256_madd_epi16(p1, xs));
+            }
+        }
+        if (q4) {
+            const __m256 d0 = _mm256_load_ps((const float *)(q + 4864)), d1 = _mm256_load_ps((const float *)(q + 4896));
+            const __m256 dm0 = _mm256_load_ps((const float *)(q + 4928)), dm1 = _mm256_load_ps((const float *)(q + 4960));
+            for (int r = 0; r < R; r++) {
+                const __m256 xs = _mm256_set1_ps(sc[r * supers + s].scale);
+                const __m256 t0 = _mm256_fmsub_ps(d0, _mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(dm0, _mm256_cvtepi32_ps(m0[r])));
+                const __m256 t1 = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(dm1, _mm256_cvtepi32_ps(m1[r])));
+                lo[r] = _mm256_fmadd_ps(xs, t0, lo[r]);
+                hi[r] = _mm256_fmadd_ps(xs, t1, hi[r]);
+            }
+            continue;
+        }
+        for (int r = 0; r < R; r++) /* exact in int32 however it is summed */
+            i0[r] = _mm256_sub_epi32(i0[r], m0[r]), i1[r] = _mm256_sub_epi32(i1[r], m1[r]);
+        const __m256 d0 = _mm256_load_ps((const float *)(q + 5632)), d1 = _mm256_load_ps((const float *)(q + 5664));
+        for (int r = 0; r < R; r++) {
+            const __m256 xs = _mm256_set1_ps(sc[r * supers + s].scale);
+            lo[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), _mm256_cvtepi32_ps(i0[r]), lo[r]);
+            hi[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), _mm256_cvtepi32_ps(i1[r]), hi[r]);
+        }
+    }
+}

@@ -149,12 +149,14 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);              \
     } while (0)
 
-/* R <= KQUANT_PASS rows against a k-quant tile (kquant_tiles.h) */
-#define KQUANT_ROWS(R)                                                                                   \
+/* R <= KQUANT_PASS rows against a k-quant tile (kquant_tiles.h); UNPACKED: KQUANT_PASS rows
+ * against its decoding `ku` */
+#define KQUANT_ROWS(R, UNPACKED)                                                                         \
     do {                                                                                                 \
         __m256 lo[KQUANT_PASS], hi[KQUANT_PASS];                                                         \
         const int64_t ahead = row == 0 ? PREFETCH_BYTES : next_ahead;                                    \
-        if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi); \
+        if (UNPACKED) kquant_rows_unpacked(bits, ku, supers, xqs + row * k, sc + row * supers, k, lo, hi); \
+        else if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else q6k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi);              \
         vf acc[KQUANT_PASS];                                                                             \
         for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
@@ -237,6 +239,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         if (m >= UNPACKED_MIN_ROWS) /* NULL (no memory): the packed passes */
             unpacked = (uint8_t *)aligned_alloc(64, (size_t)(groups * UNPACKED_GROUP));
 #endif
+        /* k-quant tiles with many rows: each decoded once (kquant_tiles.h) */
+        uint8_t *kunpacked = kquant && m >= KQUANT_UNPACKED_ROWS
+                                 ? (uint8_t *)aligned_alloc(64, (size_t)(supers * KQUANT_UNPACKED_MAX)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n / TILE; t++) {
             const uint8_t *tile = tiles + tile_offsets[t];
@@ -245,8 +250,13 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             const int bits = tile_bits[t];
             int64_t row = 0;
             if (is_kquant(bits)) {
-                for (; row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS);
-                for (; row < m; row++) KQUANT_ROWS(1);
+                const uint8_t *ku = kunpacked; /* NULL (few rows, or no memory): decoded in every pass */
+                for (int64_t s = 0; ku && s < supers; s++)
+                    kquant_unpack(bits, tile, s, kunpacked + s * KQUANT_UNPACKED_MAX);
+                for (; ku && row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 1);
+                for (; row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 0);
+                if (m - row == 2) KQUANT_ROWS(2, 0);
+                else if (m - row == 1) KQUANT_ROWS(1, 0);
                 continue;
             }
             if (bits == SPECDEC_TILE_Q5_0) {
@@ -281,7 +291,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                 default: break;
             }
         }
-        free(unpacked);
+        free(unpacked), free(kunpacked);
     }
     free(xq), free(gc), free(xqs), free(sc), free(inv_rms);
     return SPECDEC_OK;
