@@ -3,7 +3,7 @@ one linear of the default target's shapes (random valid Q4_K / Q6_K blocks), 2 t
 new alternated 7 times, median ms (the matrices fit in L3: the compute-bound side, as prefill
 chunks and verify windows are). Usage: python kernel_ab.py GIT_REF [rows ...]"""
 import copy, ctypes, pathlib, statistics, subprocess, sys, tempfile, time
-import numpy as np, torch
+import torch
 from specdec import kernel_abi, native
 from specdec.target.quant.qlinear import QLinear
 from tests.target.test_kquant import k_blocks
