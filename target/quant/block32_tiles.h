@@ -14,6 +14,9 @@
 
 #define Q50_GROUP_BYTES 352
 #define Q50_PASS 2 /* rows per pass: their int16 and int32 sums and both halves' weights fill the ymm registers */
+#define Q50_UNPACKED_GROUP 576 /* a decoded group: 4 blocks x 4 vectors x 32 B, d of both halves as fp32 */
+#define Q50_UNPACKED_ROWS 3
+#define Q50_UNPACKED_PASS 3 /* rows per pass over a decoded tile (its vectors loaded, not kept) */
 
 /* bit s (0..7) of every byte of t moved to bit 4, the rest cleared */
 static inline __attribute__((always_inline)) __m256i q50_top(__m256i t, int s) {
@@ -21,49 +24,105 @@ static inline __attribute__((always_inline)) __m256i q50_top(__m256i t, int s) {
     return _mm256_and_si256(s <= 4 ? _mm256_slli_epi16(t, 4 - s) : _mm256_srli_epi16(t, s - 4), bit4);
 }
 
+/* The 4 vectors of block b of a Q5_0 group at p (t0, t1: its top bits, p + 256 and p + 288):
+ * both halves' 5-bit values of inputs 8b..8b+3, then of 8b+4..8b+7. */
+static inline __attribute__((always_inline)) void q50_block(const uint8_t *p, __m256i t0, __m256i t1, int b, __m256i *v) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + 64 * b)), v1 = _mm256_loadu_si256((const __m256i *)(p + 64 * b + 32));
+    v[0] = _mm256_or_si256(_mm256_and_si256(v0, nibble), q50_top(t0, 2 * b));
+    v[1] = _mm256_or_si256(_mm256_and_si256(v1, nibble), q50_top(t1, 2 * b));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble), q50_top(t0, 2 * b + 1));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble), q50_top(t1, 2 * b + 1));
+}
+
+/* lo[r], hi[r] += group g's share of row r: (d * xs) * cvt(i - 16 * sum(xq)) */
+static inline __attribute__((always_inline)) void q50_group_scale(const __m256i *i0, const __m256i *i1, __m256 d0, __m256 d1,
+                                                                 const struct group_consts *gc, int64_t groups, int64_t g,
+                                                                 const int R, __m256 *lo, __m256 *hi) {
+    for (int r = 0; r < R; r++) {
+        const struct group_consts *c = &gc[r * groups + g];
+        const __m256i off = _mm256_set1_epi32(16 * c->isum);
+        const __m256 xs = _mm256_set1_ps(c->scale);
+        lo[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(i0[r], off)), lo[r]);
+        hi[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(i1[r], off)), hi[r]);
+    }
+}
+
+/* i0[r], i1[r] (int32) += one group's products of R rows (xg: the group's activations, `k` apart)
+ * with its blocks' vectors: from the tile (p, t0, t1) or, `unpacked`, loaded from q. The 5-bit
+ * products sum in int16 over two blocks (at most 4 x 2 x 31 x 127 = 31496), then in int32. */
+static inline __attribute__((always_inline)) void q50_group_sums(const uint8_t *p, __m256i t0, __m256i t1, const uint8_t *q,
+                                                                const int unpacked, const int8_t *xg, int64_t k, const int R,
+                                                                __m256i *i0, __m256i *i1) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+    for (int pair = 0; pair < 2; pair++) {
+        __m256i s0[Q50_UNPACKED_PASS], s1[Q50_UNPACKED_PASS];
+        for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+        for (int b = 2 * pair; b < 2 * pair + 2; b++) {
+            __m256i v[4];
+            if (unpacked)
+                for (int i = 0; i < 4; i++) v[i] = _mm256_load_si256((const __m256i *)(q + 128 * b + 32 * i));
+            else q50_block(p, t0, t1, b, v);
+            for (int r = 0; r < R; r++) {
+                MADDUBS_ACC2(s0[r], s1[r], v[0], v[1], xg + r * k + 8 * b);
+                MADDUBS_ACC2(s0[r], s1[r], v[2], v[3], xg + r * k + 8 * b + 4);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(s0[r], ones));
+            i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(s1[r], ones));
+        }
+    }
+}
+
 /* R <= Q50_PASS rows (xq `k` apart, consts `groups` apart) against a Q5_0 tile: lo[r], hi[r]
- * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. The 5-bit products sum in int16
- * over two blocks (at most 4 x 2 x 31 x 127 = 31496), then in int32. */
+ * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. */
 static inline __attribute__((always_inline)) void q50_rows(const uint8_t *tile, int64_t ahead, int64_t groups,
                                                           const int8_t *xq, const struct group_consts *gc,
                                                           int64_t k, const int R, __m256 *lo, __m256 *hi) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *p = tile + g * Q50_GROUP_BYTES;
         for (int line = 0; line < Q50_GROUP_BYTES; line += 64) _mm_prefetch((const char *)p + ahead + line, _MM_HINT_T0);
-        const int8_t *xg = xq + g * GROUP;
         const __m256i t0 = _mm256_loadu_si256((const __m256i *)(p + 256)), t1 = _mm256_loadu_si256((const __m256i *)(p + 288));
         __m256i i0[Q50_PASS], i1[Q50_PASS];
-        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
-        for (int pair = 0; pair < 2; pair++) {
-            __m256i s0[Q50_PASS], s1[Q50_PASS];
-            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
-            for (int b = 2 * pair; b < 2 * pair + 2; b++) {
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + 64 * b));
-                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(p + 64 * b + 32));
-                const __m256i l0 = _mm256_or_si256(_mm256_and_si256(v0, nibble), q50_top(t0, 2 * b));
-                const __m256i l1 = _mm256_or_si256(_mm256_and_si256(v1, nibble), q50_top(t1, 2 * b));
-                const __m256i h0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble), q50_top(t0, 2 * b + 1));
-                const __m256i h1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble), q50_top(t1, 2 * b + 1));
-                for (int r = 0; r < R; r++) {
-                    MADDUBS_ACC2(s0[r], s1[r], l0, l1, xg + r * k + 8 * b);
-                    MADDUBS_ACC2(s0[r], s1[r], h0, h1, xg + r * k + 8 * b + 4);
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(s0[r], ones));
-                i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(s1[r], ones));
-            }
+        q50_group_sums(p, t0, t1, NULL, 0, xq + g * GROUP, k, R, i0, i1);
+        q50_group_scale(i0, i1, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 320))),
+                        _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 336))), gc, groups, g, R, lo, hi);
+    }
+}
+
+/* Many rows (the draft's catch-up windows, prefill chunks; at least Q50_UNPACKED_ROWS): the tile
+ * is decoded once per call into a per-thread buffer, Q50_UNPACKED_GROUP bytes a group (its blocks'
+ * 4 vectors, then d of both halves as fp32), which passes of Q50_UNPACKED_PASS rows load: the same
+ * integer sums and fp32 operations as q50_rows, so the results are bitwise its. */
+static void q50_unpack_tile(const uint8_t *tile, int64_t groups, uint8_t *u) {
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *p = tile + g * Q50_GROUP_BYTES;
+        for (int line = 0; line < Q50_GROUP_BYTES; line += 64) _mm_prefetch((const char *)p + PREFETCH_BYTES + line, _MM_HINT_T0);
+        const __m256i t0 = _mm256_loadu_si256((const __m256i *)(p + 256)), t1 = _mm256_loadu_si256((const __m256i *)(p + 288));
+        uint8_t *q = u + g * Q50_UNPACKED_GROUP;
+        for (int b = 0; b < 4; b++) {
+            __m256i v[4];
+            q50_block(p, t0, t1, b, v);
+            for (int i = 0; i < 4; i++) _mm256_store_si256((__m256i *)(q + 128 * b + 32 * i), v[i]);
         }
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 320)));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 336)));
-        for (int r = 0; r < R; r++) {
-            const struct group_consts *c = &gc[r * groups + g];
-            const __m256i off = _mm256_set1_epi32(16 * c->isum);
-            const __m256 xs = _mm256_set1_ps(c->scale);
-            lo[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(i0[r], off)), lo[r]);
-            hi[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(i1[r], off)), hi[r]);
-        }
+        _mm256_store_ps((float *)(q + 512), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 320))));
+        _mm256_store_ps((float *)(q + 544), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 336))));
+    }
+}
+
+static inline __attribute__((always_inline)) void q50_rows_unpacked(const uint8_t *u, int64_t groups, const int8_t *xq,
+                                                                   const struct group_consts *gc, int64_t k, const int R,
+                                                                   __m256 *lo, __m256 *hi) {
+    const __m256i none = _mm256_setzero_si256();
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *q = u + g * Q50_UNPACKED_GROUP;
+        __m256i i0[Q50_UNPACKED_PASS], i1[Q50_UNPACKED_PASS];
+        q50_group_sums(NULL, none, none, q, 1, xq + g * GROUP, k, R, i0, i1);
+        q50_group_scale(i0, i1, _mm256_load_ps((const float *)(q + 512)), _mm256_load_ps((const float *)(q + 544)), gc,
+                        groups, g, R, lo, hi);
     }
 }

@@ -174,6 +174,16 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
 
+/* R rows against a Q5_0 tile decoded into q50u */
+#define Q50_UNPACKED_ROWS_OF(R)                                                                          \
+    do {                                                                                                 \
+        __m256 lo[Q50_UNPACKED_PASS], hi[Q50_UNPACKED_PASS];                                             \
+        q50_rows_unpacked(q50u, groups, xq + row * k, gc + row * groups, k, R, lo, hi);                  \
+        vf acc[Q50_UNPACKED_PASS];                                                                       \
+        for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
+        store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
+    } while (0)
+
 static inline int is_kquant(int bits) { return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q6_K; }
 static inline int is_grouped(int bits) { /* activations per 32 inputs */
     return bits == 4 || bits == 8 || bits == SPECDEC_TILE_Q5_0 || bits == SPECDEC_TILE_Q8_0;
@@ -213,8 +223,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
     if (!x || !tiles || !tile_offsets || !tile_bits || !y || m < 0 || k <= 0 || k % GROUP || n <= 0 ||
         n % TILE || (glu && norm_w))
         return SPECDEC_ERR_INVALID_ARGUMENT;
-    int grouped = 0, kquant = 0; /* which activation quantizations the tiles need */
+    int grouped = 0, kquant = 0, q50 = 0; /* which activation quantizations the tiles need; any Q5_0 */
     for (int64_t t = 0; t < n / TILE; t++) {
+        q50 |= tile_bits[t] == SPECDEC_TILE_Q5_0;
         if (is_grouped(tile_bits[t])) grouped = 1;
         else if (is_kquant(tile_bits[t])) kquant = 1;
         else return SPECDEC_ERR_INVALID_ARGUMENT;
@@ -253,6 +264,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         /* k-quant tiles with many rows: each decoded once (kquant_tiles.h) */
         uint8_t *kunpacked = kquant && m >= KQUANT_UNPACKED_ROWS
                                  ? (uint8_t *)aligned_alloc(64, (size_t)(supers * KQUANT_UNPACKED_MAX)) : NULL;
+        uint8_t *q50u = q50 && m >= Q50_UNPACKED_ROWS ? (uint8_t *)aligned_alloc(64, (size_t)(groups * Q50_UNPACKED_GROUP)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n / TILE; t++) {
             const uint8_t *tile = tiles + tile_offsets[t];
@@ -271,6 +283,15 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                 continue;
             }
             if (bits == SPECDEC_TILE_Q5_0) {
+                if (q50u) q50_unpack_tile(tile, groups, q50u); /* NULL (few rows, or no memory): decoded per pass */
+                for (; q50u && row + Q50_UNPACKED_PASS <= m; row += Q50_UNPACKED_PASS) Q50_UNPACKED_ROWS_OF(Q50_UNPACKED_PASS);
+                if (q50u && m - row == 2) {
+                    Q50_UNPACKED_ROWS_OF(2);
+                    row += 2;
+                } else if (q50u && m - row == 1) {
+                    Q50_UNPACKED_ROWS_OF(1);
+                    row += 1;
+                }
                 for (; row + Q50_PASS <= m; row += Q50_PASS) Q50_ROWS(Q50_PASS);
                 for (; row < m; row++) Q50_ROWS(1);
                 continue;
@@ -302,7 +323,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                 default: break;
             }
         }
-        free(unpacked), free(kunpacked);
+        free(unpacked), free(kunpacked), free(q50u);
     }
     free(xq), free(gc), free(xqs), free(sc), free(inv_rms);
     return SPECDEC_OK;
