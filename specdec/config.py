@@ -68,8 +68,8 @@ class EngineConfig:
     # CPU quantization (`target.quant.formats.MODES`); None: the loader picks per model
     # (`engine_parts.resolve_config`). On the CPU in bfloat16, where specdec's C kernel runs
     # (`target.quant.qgemm`: AVX-512 VNNI, AVX-VNNI or AVX2, bitwise the same), the target takes "gguf"
-    # (a GGUF's Q4_K / Q6_K tensors read as stored, the file's bytes and values, activations int8
-    # per 256 inputs; anything else as "w4a8-auto": int4 where on the 4-bit grid, else int8,
+    # (a GGUF's Q4_K / Q6_K / Q5_0 / Q8_0 tensors read as stored, the file's bytes and values,
+    # activations int8 per 256 inputs for the k-quants, per 32 for the others; anything else as "w4a8-auto": int4 where on the 4-bit grid, else int8,
     # activations int8 per group of 32) and the draft "w4a8"
     # (int4 everywhere; a draft only proposes, so its rounding cannot change the output
     # distribution). Without the kernel: target "w8a8" (fbgemm int8 after SmoothQuant), draft

@@ -10,9 +10,10 @@ rows in the batch.
 Output channels come in tiles of 16, each int4 or int8 on its own, so q/k/v and gate/up fuse by
 concatenating tiles whatever format each part took.
 
-A GGUF's Q4_K and Q6_K tensors skip all of that (`from_gguf`): their blocks are repacked into
-k-quant tiles (`kquant.py`) with the file's bytes, read as they are by the kernel, activations then
-quantized per 256 inputs (llama.cpp's Q8_K). They fuse with the other formats the same way.
+A GGUF's Q4_K, Q6_K, Q5_0 and Q8_0 tensors skip all of that (`from_gguf`): their blocks are
+repacked into tiles of those formats (`kquant.py`) with the file's bytes, read as they are by the
+kernel, activations then quantized per 256 inputs for the k-quants (llama.cpp's Q8_K), per 32 for
+Q5_0 / Q8_0. They fuse with the other formats the same way.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 target's shapes (random valid Q4_K / Q6_K blocks), 2 threads, old and new alternated 7 times,
 median ms. The matrices fit this machine's L3, so this is the compute-bound side (verify windows,
 prefill); decode from memory is the end-to-end table's. Usage: python kquant_ab.py"""
-import statistics, sys, time
+import statistics, time
 import numpy as np, torch
 from specdec.target.quant.qlinear import QLinear, dequantize
 

@@ -2,7 +2,7 @@
 alternated 60 times (median ms); (2) greedy speculative decoding of 10 HumanEval + 10 ShareGPT
 prompts (64 tokens) per size: drafted and accepted tokens (deterministic), so the size's effect
 is acceptance x draft cost, not one noisy tok/s. Usage: python vocab_ab.py [sizes...]"""
-import statistics, sys, time, torch
+import statistics, sys, time
 from specdec import Engine, EngineConfig, SamplingParams
 from specdec.draft import vocab
 from specdec.eval.runner import encode_prompts
