@@ -187,8 +187,9 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *tile, 
  * into a per-thread buffer (`kquant_unpack`: the vectors q4k_rows / q6k_rows compute in every
  * pass, stored), and passes of KQUANT_PASS rows load them (`kquant_rows_unpacked`): the same
  * integer sums and fp32 operations, so the results are bitwise the register path's.
- * `kernel_ab.py` (docs/results/issue38) at avx2: 1.06-1.17x (Q4_K) and 1.11-1.26x (Q6_K) at
- * 16-512 rows. (Sharing one source with the register path made its 1-3 row passes 5-20% slower.) */
+ * `kernel_ab.py` (docs/results/issue38) at avx2: 1.21x (Q4_K) and 1.38x (Q6_K) at 512 rows, Q4_K
+ * about even at 16-64. (Sharing one source with the register path made its 1-3 row passes 5-20%
+ * slower.) */
 #define Q4K_UNPACKED 4992 /* 32 blocks x 4 x 32 B, sc pairs 8 x 64 B, min pairs 4 x 64 B, d, d1, dmin, dmin1 x 32 B */
 #define Q6K_UNPACKED 5696 /* 32 blocks x 4 x 32 B, sc pairs 16 x 64 B, offset pairs 8 x 64 B, d, d1 x 32 B */
 #define KQUANT_UNPACKED_MAX Q6K_UNPACKED
