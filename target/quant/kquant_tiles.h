@@ -80,6 +80,21 @@ static inline void q4k_scales(const uint8_t *s, int j, __m128i *sc, __m128i *m) 
     *m = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(low, 4), f), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(top, 2), three), 4));
 }
 
+/* lo[r], hi[r] += a Q4_K super-block's share of R rows from its integer sums i (quants) and m
+ * (mins): xs * (d * cvt(i) - dmin * cvt(m)); c: row 0's consts of the super-block, `supers` apart */
+static inline __attribute__((always_inline)) void q4k_scale_rows(__m256 d0, __m256 d1, __m256 dm0, __m256 dm1,
+                                                                const __m256i *i0, const __m256i *i1, const __m256i *m0,
+                                                                const __m256i *m1, const struct super_consts *c,
+                                                                int64_t supers, const int R, __m256 *lo, __m256 *hi) {
+    for (int r = 0; r < R; r++) {
+        const __m256 xs = _mm256_set1_ps(c[r * supers].scale);
+        const __m256 t0 = _mm256_fmsub_ps(d0, _mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(dm0, _mm256_cvtepi32_ps(m0[r])));
+        const __m256 t1 = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(dm1, _mm256_cvtepi32_ps(m1[r])));
+        lo[r] = _mm256_fmadd_ps(xs, t0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(xs, t1, hi[r]);
+    }
+}
+
 /* R <= KQUANT_PASS rows (xq `k` apart, consts `supers` apart) against a Q4_K tile: lo[r], hi[r]
  * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. */
 static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, int64_t ahead, int64_t supers,
@@ -120,13 +135,7 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, 
         const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 8)));
         const __m256 dm0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 16)));
         const __m256 dm1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 24)));
-        for (int r = 0; r < R; r++) {
-            const __m256 xs = _mm256_set1_ps(sc[r * supers + s].scale);
-            const __m256 t0 = _mm256_fmsub_ps(d0, _mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(dm0, _mm256_cvtepi32_ps(m0[r])));
-            const __m256 t1 = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(dm1, _mm256_cvtepi32_ps(m1[r])));
-            lo[r] = _mm256_fmadd_ps(xs, t0, lo[r]);
-            hi[r] = _mm256_fmadd_ps(xs, t1, hi[r]);
-        }
+        q4k_scale_rows(d0, d1, dm0, dm1, i0, i1, m0, m1, sc + s, supers, R, lo, hi);
     }
 }
 
@@ -279,13 +288,7 @@ static inline __attribute__((always_inline)) void kquant_rows_unpacked(int kind,
         if (q4) {
             const __m256 d0 = _mm256_load_ps((const float *)(q + 4864)), d1 = _mm256_load_ps((const float *)(q + 4896));
             const __m256 dm0 = _mm256_load_ps((const float *)(q + 4928)), dm1 = _mm256_load_ps((const float *)(q + 4960));
-            for (int r = 0; r < R; r++) {
-                const __m256 xs = _mm256_set1_ps(sc[r * supers + s].scale);
-                const __m256 t0 = _mm256_fmsub_ps(d0, _mm256_cvtepi32_ps(i0[r]), _mm256_mul_ps(dm0, _mm256_cvtepi32_ps(m0[r])));
-                const __m256 t1 = _mm256_fmsub_ps(d1, _mm256_cvtepi32_ps(i1[r]), _mm256_mul_ps(dm1, _mm256_cvtepi32_ps(m1[r])));
-                lo[r] = _mm256_fmadd_ps(xs, t0, lo[r]);
-                hi[r] = _mm256_fmadd_ps(xs, t1, hi[r]);
-            }
+            q4k_scale_rows(d0, d1, dm0, dm1, i0, i1, m0, m1, sc + s, supers, R, lo, hi);
             continue;
         }
         for (int r = 0; r < R; r++) /* exact in int32 however it is summed */
