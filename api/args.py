@@ -77,6 +77,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-chunk", type=int, default=EngineConfig.max_prefill_chunk, metavar="N",
                    help="prefill chunk when no stream is decoding (default: "
                         f"{EngineConfig.max_prefill_chunk})")
+    g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
+                   help="split the target over N processes on this machine by heads and MLP width "
+                        "(each reads 1/N of its layers' weights; an all-reduce after o_proj and down_proj; "
+                        "the CPU's cores are shared between them). The draft stays whole. CPU only")
+    g.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1, metavar="M",
+                   help="split the target over M processes by layer ranges, run one after the other "
+                        "(memory per process, not speed). Not together with --tensor-parallel-size")
+    g.add_argument("--parallel-timeout", type=float, default=EngineConfig.parallel_timeout_s, metavar="S",
+                   help="a rank that does not answer within S seconds ends the engine with an error "
+                        f"(default {EngineConfig.parallel_timeout_s:g})")
 
 
 def _draft_vocab(value: str) -> int | str:
@@ -114,6 +124,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_gap_ratio=args.prefill_gap_ratio,
         max_prefill_chunk=args.max_prefill_chunk,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        parallel_timeout_s=args.parallel_timeout,
     )
 
 

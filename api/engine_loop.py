@@ -275,8 +275,8 @@ class AsyncEngine:
             deltas = engine.step()
         except StepError as exc:
             self._failures += 1
-            if self._failures >= MAX_STEP_FAILURES:
-                raise
+            if self._failures >= MAX_STEP_FAILURES or getattr(exc.__cause__, "fatal", False):
+                raise  # a parallel target's rank is gone (`RankFailure.fatal`): no later step can run
             self._fail_requests(exc)
             return []
         finally:

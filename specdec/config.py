@@ -78,6 +78,14 @@ class EngineConfig:
     draft_quant: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    # The target split over processes on this machine (`specdec.parallel`; the draft stays whole
+    # on the driver): tensor parallel (each rank its heads and its share of the MLP, an all-reduce
+    # after o_proj and after down_proj) or pipeline parallel (each stage a range of layers), not
+    # both. The CPU only. A rank that dies or does not answer within `parallel_timeout_s` ends
+    # the engine (`RankFailure`).
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -107,12 +115,25 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_prefill_chunk < 1:
             raise ValueError(f"max_prefill_chunk must be positive, got {self.max_prefill_chunk}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if not 1 <= getattr(self, name) <= 32:
+                raise ValueError(f"{name} must be in 1..32, got {getattr(self, name)}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not supported yet: set one of "
+                             "tensor_parallel_size / pipeline_parallel_size to 1")
+        if not self.parallel_timeout_s > 0:
+            raise ValueError(f"parallel_timeout_s must be positive, got {self.parallel_timeout_s}")
         if not self.prefill_gap_ratio > 1:
             raise ValueError(f"prefill_gap_ratio must be > 1, got {self.prefill_gap_ratio}")
 
     @property
     def uses_draft_model(self) -> bool:
         return self.proposer in ("draft", "hybrid")
+
+    @property
+    def parallel_size(self) -> int:
+        """Processes the target runs in (1: this one)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def speculative(self) -> bool:

@@ -402,8 +402,18 @@ class Engine:
         return StepDelta(seq.request_id, emitted, origins or [], text, 0, 0, True, "handoff", pieces or [],
                          seq.num_cached_tokens or 0, seq.stats, logprobs, handoff=ticket)
 
+    def close(self) -> None:
+        """Stop what the engine started outside this process (a parallel target's ranks); the
+        engine cannot step afterwards. Nothing to do for a one-process engine."""
+        for runner in self.runners:
+            if (close := getattr(runner, "close", None)) is not None:
+                close()
+
     def kv_runners(self) -> dict[str, ModelRunner]:
         """The runners whose paged caches a handoff moves, by pool name."""
+        if getattr(self.target, "group", None) is not None:
+            raise ValueError("prefill/decode handoff of a tensor- or pipeline-parallel target is not supported: "
+                             "its cache is spread over the ranks")
         runners = {"target": self.target}
         if self.proposer is not None and self.proposer.pool is not None:
             runners["draft"] = self.proposer.runner

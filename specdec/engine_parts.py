@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from specdec import native
-from specdec.cache import cpu_attention
+from specdec.cache import PagedKVCache, cpu_attention
 from specdec.config import EngineConfig
 from specdec.draft import vocab
 from specdec.target.default_pair import finish_check
@@ -72,7 +72,16 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     uses_draft = config.speculative and config.uses_draft_model
     draft_dir = resolve_model(config.draft, wait_check=False) if uses_draft else None
     tokenizer = load_tokenizer(target_dir)
-    target = load_model(target_dir, dtype, device, config.target_quant)
+    group = start_rank_group(config, target_dir)  # None: one process; else its ranks load meanwhile
+    try:
+        target = load_model(target_dir, dtype, device, config.target_quant)
+        if group is not None:
+            group.shard(target)
+            target.rank_group = group  # build_runners gives the target a ParallelRunner over it
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
     draft = None
     if draft_dir is not None:
         if not same_tokenizer_files(target_dir, draft_dir):
@@ -85,6 +94,19 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     if log:
         log(f"loaded models in {time.perf_counter() - t0:.1f}s; {native.describe_simd()}")
     return target, draft, tokenizer
+
+
+def start_rank_group(config: EngineConfig, target_dir):
+    """The target's other ranks, spawned (`specdec.parallel`), or None for one process."""
+    if config.parallel_size == 1:
+        return None
+    if config.resolved_device() != "cpu":
+        raise ValueError("tensor and pipeline parallelism run on the CPU only (gloo and a shared-memory "
+                         "all-reduce); NCCL on CUDA is not built yet")
+    from specdec.parallel.group import RankGroup
+
+    return RankGroup.start(target_dir, config.dtype, config.target_quant, config.tensor_parallel_size,
+                           config.pipeline_parallel_size, config.parallel_timeout_s)
 
 
 def restrict_draft_vocab(draft, tokenizer, size: int | str, stop_ids: list[int], log=None) -> None:
@@ -178,7 +200,15 @@ def build_runners(
     runners = [
         ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks, output_vocab=output_vocab,
                           attention_backend=config.attention_backend)
-        for m in models
+        for m in models[1:]
     ]
+    if (group := getattr(target, "rank_group", None)) is not None:
+        from specdec.parallel.group import ParallelRunner
+
+        cache = PagedKVCache(ModelRunner.kv_spec(target, config.block_size, kv_dtype), num_blocks)
+        runners.insert(0, ParallelRunner(target, cache, output_vocab, config.attention_backend, group, config.kv_dtype))
+    else:
+        runners.insert(0, ModelRunner.build(target, config.block_size, kv_dtype, num_blocks=num_blocks,
+                                            output_vocab=output_vocab, attention_backend=config.attention_backend))
     return runners[0], (runners[1] if uses_draft else None)
 

@@ -59,6 +59,13 @@ static const struct specdec_abi_entry LAYOUT[] = {
     FIELD(specdec_attention, hq),
     FIELD(specdec_attention, hkv),
     FIELD(specdec_attention, d),
+    SIZE(specdec_group),
+    FIELD(specdec_group, region),
+    FIELD(specdec_group, rank),
+    FIELD(specdec_group, world),
+    FIELD(specdec_group, slot_bytes),
+    FIELD(specdec_group, calls),
+    FIELD(specdec_group, timeout_ms),
     SIZE(specdec_abi_entry),
     FIELD(specdec_abi_entry, type),
     FIELD(specdec_abi_entry, field),
@@ -73,6 +80,7 @@ static const struct specdec_abi_entry LAYOUT[] = {
     CONSTANT(SPECDEC_TILE_Q8_0),
     CONSTANT(SPECDEC_MAX_HEAD_DIM),
     CONSTANT(SPECDEC_MAX_LATENT_DIM),
+    CONSTANT(SPECDEC_SHM_HEADER),
     CONSTANT(SPECDEC_OK),
     CONSTANT(SPECDEC_ERR_NO_MEMORY),
     CONSTANT(SPECDEC_ERR_INVALID_ARGUMENT),
@@ -80,6 +88,8 @@ static const struct specdec_abi_entry LAYOUT[] = {
     CONSTANT(SPECDEC_ERR_SLOT),
     CONSTANT(SPECDEC_ERR_BLOCK),
     CONSTANT(SPECDEC_ERR_LENGTHS),
+    CONSTANT(SPECDEC_ERR_PEER_GONE),
+    CONSTANT(SPECDEC_ERR_TIMEOUT),
 };
 
 int64_t specdec_abi_version(void) { return SPECDEC_ABI_VERSION; }

@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 5
+#define SPECDEC_ABI_VERSION 6
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_SUPER 256         /* qgemm: inputs per k-quant super-block */
@@ -19,6 +19,7 @@
 #define SPECDEC_TILE_Q8_0 24      /* qgemm tile_bits of a GGUF Q8_0 tile (ggml's 8 is the int8 tiles') */
 #define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
 #define SPECDEC_MAX_LATENT_DIM 1024 /* latent_attend: the widest latent (rank + rope) */
+#define SPECDEC_SHM_HEADER 4096   /* group_allreduce: the region's header (progress, process ids) */
 
 /* What every exported kernel returns. */
 enum specdec_status {
@@ -29,6 +30,8 @@ enum specdec_status {
     SPECDEC_ERR_SLOT = 4,             /* a slot outside the KV cache */
     SPECDEC_ERR_BLOCK = 5,            /* a block table entry outside the KV cache */
     SPECDEC_ERR_LENGTHS = 6,          /* query rows, sequence lengths and block tables disagree */
+    SPECDEC_ERR_PEER_GONE = 7,        /* group_allreduce: another rank's process ended */
+    SPECDEC_ERR_TIMEOUT = 8,          /* group_allreduce: another rank did not arrive in time */
 };
 
 /* A QLinear's buffers (see qgemm). */
@@ -74,6 +77,16 @@ struct specdec_attention {
     int64_t num_seqs, block_size, hq, hkv, d;
 };
 
+/* A tensor-parallel group on one machine (see group_allreduce): the shared region, this rank, and
+ * this rank's count of all-reduce calls (advanced by each). */
+struct specdec_group {
+    uint8_t *region;
+    int64_t rank, world;
+    int64_t slot_bytes;  /* each rank's slot: a multiple of 64 */
+    int64_t *calls;
+    int64_t timeout_ms;  /* SPECDEC_ERR_TIMEOUT after waiting this long for one rank */
+};
+
 /* One row of kernel_abi.c's layout table: a field's offset and size, or with an empty `field`
  * the struct's size; with `type` "constant", `field` names a constant and `offset` is its value. */
 struct specdec_abi_entry {
@@ -99,11 +112,15 @@ int head_matmul(const void *x, int x_bf16, int64_t t, int64_t heads, int64_t k, 
 int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e, const void *norm_w, int norm_bf16,
               float eps, const void *residual, void *y, int32_t *expert_ids, int threads);
 
-/* target/quant/decoder.c (built with qgemm.c, moe.c and paged_attention.c) */
+/* target/quant/decoder.c (built with qgemm.c, moe.c, paged_attention.c and shm_allreduce.c) */
 int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *layers, int64_t num_layers,
                    int norm_bf16, float eps, const struct specdec_attention *a, uint16_t *kv, float scale,
                    uint16_t *qkv, uint16_t *att, uint16_t *gate_up, int32_t *expert_ids, int64_t top_k,
-                   int threads);
+                   const struct specdec_group *group, float *partial, int threads);
+
+/* specdec/parallel/shm_allreduce.c: x [n] fp32 summed over the group's ranks, in place (every
+ * rank calls it with the same n; the sum in rank order, bitwise the same on every rank) */
+int group_allreduce(const struct specdec_group *g, float *x, int64_t n);
 
 /* target/quant/int4_quant.c */
 int int4_quantize_rows(const float *w, int64_t n, int64_t k, int64_t group, int32_t *q, uint16_t *scales_and_zeros,

@@ -14,7 +14,7 @@ import enum
 
 import torch
 
-ABI_VERSION = 5  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 6  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 SUPER = 256  # SPECDEC_SUPER: inputs per k-quant super-block
@@ -24,6 +24,7 @@ TILE_Q5_0 = 6  # SPECDEC_TILE_Q5_0: of a GGUF Q5_0 tile (ggml's type id)
 TILE_Q8_0 = 24  # SPECDEC_TILE_Q8_0: of a GGUF Q8_0 tile (ggml's id 8 is the int8 tiles')
 MAX_HEAD_DIM = 512  # SPECDEC_MAX_HEAD_DIM: rope_write_attend's per-thread query buffer
 MAX_LATENT_DIM = 1024  # SPECDEC_MAX_LATENT_DIM: latent_attend's widest latent
+SHM_HEADER = 4096  # SPECDEC_SHM_HEADER: group_allreduce's region header
 
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
@@ -42,6 +43,8 @@ class Status(enum.IntEnum):
     ERR_SLOT = 4
     ERR_BLOCK = 5
     ERR_LENGTHS = 6
+    ERR_PEER_GONE = 7
+    ERR_TIMEOUT = 8
 
 
 # status -> (exception, message); MemoryError only where an allocation really failed
@@ -52,6 +55,8 @@ ERRORS: dict[Status, tuple[type[Exception], str]] = {
     Status.ERR_SLOT: (ValueError, "a slot is outside the KV cache"),
     Status.ERR_BLOCK: (ValueError, "a block table entry is outside the KV cache"),
     Status.ERR_LENGTHS: (ValueError, "query rows, sequence lengths and block tables disagree"),
+    Status.ERR_PEER_GONE: (RuntimeError, "another rank's process of the tensor-parallel group ended"),
+    Status.ERR_TIMEOUT: (TimeoutError, "another rank of the tensor-parallel group did not arrive in time"),
 }
 
 
@@ -116,6 +121,14 @@ class Attention(ctypes.Structure):
                 ("block_size", _I64), ("hq", _I64), ("hkv", _I64), ("d", _I64)]
 
 
+class Group(ctypes.Structure):
+    """`struct specdec_group`: a tensor-parallel group's shared region and this rank's calls."""
+
+    c_name = "specdec_group"
+    _fields_ = [("region", _P), ("rank", _I64), ("world", _I64), ("slot_bytes", _I64), ("calls", _P),
+                ("timeout_ms", _I64)]
+
+
 class AbiEntry(ctypes.Structure):
     """`struct specdec_abi_entry`: one row of `kernel_abi.c`'s layout table."""
 
@@ -123,11 +136,11 @@ class AbiEntry(ctypes.Structure):
     _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", _I64), ("size", _I64)]
 
 
-STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Moe, Layer, Attention, AbiEntry)
+STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Moe, Layer, Attention, Group, AbiEntry)
 CONSTANTS = {"SPECDEC_GROUP": GROUP, "SPECDEC_TILE": TILE, "SPECDEC_SUPER": SUPER,
              "SPECDEC_TILE_Q4_K": TILE_Q4_K, "SPECDEC_TILE_Q6_K": TILE_Q6_K, "SPECDEC_TILE_Q5_0": TILE_Q5_0,
              "SPECDEC_TILE_Q8_0": TILE_Q8_0, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
-             "SPECDEC_MAX_LATENT_DIM": MAX_LATENT_DIM,
+             "SPECDEC_MAX_LATENT_DIM": MAX_LATENT_DIM, "SPECDEC_SHM_HEADER": SHM_HEADER,
              **{f"SPECDEC_{s.name}": int(s) for s in Status}}
 
 # name -> (restype, argtypes): kernel_abi.h's prototypes
@@ -144,9 +157,11 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     # x, x_bf16, m, block, norm_w, norm_bf16, eps, residual, y, expert_ids, threads
     "moe_block": (_I, [_P, _I, _I64, ctypes.POINTER(Moe), _P, _I, _F, _P, _P, _P, _I]),
     # h, num_rows, layers, num_layers, norm_bf16, eps, a, kv, scale, qkv, att, gate_up, expert_ids,
-    # top_k, threads
+    # top_k, group, partial, threads
     "decoder_layers": (_I, [_P, _I64, ctypes.POINTER(Layer), _I64, _I, _F, ctypes.POINTER(Attention), _P,
-                            _F, _P, _P, _P, _P, _I64, _I]),
+                            _F, _P, _P, _P, _P, _I64, ctypes.POINTER(Group), _P, _I]),
+    # group, x, n
+    "group_allreduce": (_I, [ctypes.POINTER(Group), _P, _I64]),
     # w, n, k, group, q, scales_and_zeros, sz_rows, with_error, err_sq, threads
     "int4_quantize_rows": (_I, [_P, _I64, _I64, _I64, _P, _P, _I64, _I, _P, _I]),
     # raw, row_stride, n, k, kind, out, threads

@@ -209,6 +209,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._layer_stack: LayerStack | None = None  # see use_layer_stack
         self._told_c_attention = False  # the C attention's fallback is logged once
+        # A pipeline stage keeps layers layer_offset.. of the model (`specdec.parallel.shard`)
+        self.layer_offset = 0
 
     def use_layer_stack(self, stack: LayerStack | None) -> None:
         """Run the decoder layers through `stack` from now on where it can (None: the Python loop).
@@ -240,23 +242,34 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [R]
     ) -> torch.Tensor:
-        config = self.config
-        h = self.model.embed_tokens(input_ids)  # [T, hidden]
-        if config.embedding_scale is not None:  # rounded to the model dtype, as transformers does
-            h = h * torch.tensor(config.embedding_scale).to(h.dtype)
+        h = self.run_layers(self.embed(input_ids), positions, kv_cache, meta)
+        if logits_indices.numel() == 0:  # a pure cache fill (prefill chunks)
+            return h.new_empty(0, self.config.vocab_size, dtype=torch.float32)
+        return self.head(h[logits_indices])
+
+    # forward's three parts, which a pipeline stage runs apart (`specdec.parallel`)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        h = self.model.embed_tokens(input_ids)
+        if self.config.embedding_scale is not None:  # rounded to the model dtype, as transformers does
+            h = h * torch.tensor(self.config.embedding_scale).to(h.dtype)
+        return h
+
+    def run_layers(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: PagedKVCache,
+                   meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden], every layer this model holds
         rotation = self.rotary(positions, h.dtype)
         local = self.rotary.local_rotation(positions, h.dtype)  # Gemma 3's sliding layers; else None
         stack = self._layer_stack
         if stack is None or not stack.run(h, rotation, kv_cache, meta):  # run: h in place
             for i, layer in enumerate(self.model.layers):
-                layer_rotation = local if local is not None and config.local_rope_layers[i] else rotation
-                h = layer(h, layer_rotation, kv_cache, i, meta)
+                local_rope = local is not None and self.config.local_rope_layers[self.layer_offset + i]
+                h = layer(h, local if local_rope else rotation, kv_cache, i, meta)
             self._tell_c_attention(meta)
-        if logits_indices.numel() == 0:  # a pure cache fill (prefill chunks)
-            return h.new_empty(0, config.vocab_size, dtype=torch.float32)
-        logits = normed(self.model.norm, self.lm_head, h[logits_indices]).float()  # [R, V]
-        if config.final_logit_softcap is not None:
-            logits = torch.tanh(logits / config.final_logit_softcap) * config.final_logit_softcap
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> logits [R, V] fp32
+        logits = normed(self.model.norm, self.lm_head, h).float()
+        if (softcap := self.config.final_logit_softcap) is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         return logits
 
     def _tell_c_attention(self, meta: AttentionMetadata) -> None:

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.cache import BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata
+from specdec.cache import (
+    AttentionMetadata, BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata,
+)
 from specdec.cache.attention import check_backend
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.moe import SparseMoE
@@ -24,6 +26,18 @@ class Window:
     table: BlockTable
     token_ids: list[int] | torch.Tensor  # a device tensor avoids a host sync in the draft loop
     num_logits: int = 1
+
+
+@dataclass
+class Step:
+    """One forward's tensors: flat `input_ids [T]`, `positions [T]`, the attention metadata, the
+    rows to keep logits for `[R]`, and where each window ends."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    ends: list[int]
 
 
 class ModelRunner:
@@ -70,7 +84,7 @@ class ModelRunner:
         # may have no parameter: `GGUFEmbedding`)
         mla = cfg.mla  # multi-head latent attention caches one latent per token and layer
         return KVCacheSpec(
-            num_layers=cfg.num_layers,
+            num_layers=len(model.model.layers),  # a pipeline stage's own
             num_kv_heads=1 if mla else cfg.num_kv_heads,
             head_dim=mla.latent_dim if mla else cfg.head_dim,
             block_size=block_size,
@@ -129,6 +143,18 @@ class ModelRunner:
         Each table must already have slots for its window (`ensure_slots`); its `num_computed`
         advances past the window.
         """
+        step = self.prepare(windows)
+        logits = self.run_step(step)
+        for w, end in zip(windows, step.ends):
+            w.table.num_computed = end
+        return self._fit_vocab(logits)
+
+    def run_step(self, step: "Step") -> torch.Tensor:
+        """The model over one prepared step: logits `[R, model vocab]`."""
+        return self.model(step.input_ids, step.positions, self.kv_cache, step.meta, step.logits_indices)
+
+    def prepare(self, windows: list[Window]) -> "Step":
+        """The tensors of one forward over `windows` (nothing run, no table advanced)."""
         starts = [w.table.num_computed for w in windows]
         ends = [s + len(w.token_ids) for s, w in zip(starts, windows)]
         for w, start, end in zip(windows, starts, ends):
@@ -143,12 +169,7 @@ class ModelRunner:
         meta = build_attention_metadata([w.table for w in windows], starts, ends, self.device)
         meta.backend = self.attention_backend
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        logits = self.model(
-            self._input_ids(windows), as_tensor(positions), self.kv_cache, meta, as_tensor(logits_indices)
-        )
-        for w, end in zip(windows, ends):
-            w.table.num_computed = end
-        return self._fit_vocab(logits)
+        return Step(self._input_ids(windows), as_tensor(positions), meta, as_tensor(logits_indices), ends)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:  # [R, model_vocab] -> [R, output_vocab]
         extra = self.output_vocab - self.model_vocab

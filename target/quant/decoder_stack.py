@@ -9,6 +9,7 @@ calls with the same arguments as the Python loop, so the hidden states come out 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 
@@ -23,12 +24,13 @@ from specdec.target.rope import Rotation
 
 # qgemm, moe_block and rope_write_attend in one library, so decoder.c calls them directly (linked,
 # checked against kernel_abi.h by the compiler) rather than through a pointer passed in from Python.
-SOURCES = (qgemm.SOURCE.with_name("decoder.c"), qgemm.SOURCE, qgemm.SOURCE.with_name("moe.c"), cpu_attention.SOURCE)
+SOURCES = (qgemm.SOURCE.with_name("decoder.c"), qgemm.SOURCE, qgemm.SOURCE.with_name("moe.c"), cpu_attention.SOURCE,
+           Path(kernel_abi.__file__).with_name("parallel") / "shm_allreduce.c")
 
 
 def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
     """The library for `level` (None: the one this machine runs; see `native.simd_kernel`)."""
-    return native.simd_kernel(SOURCES, ("decoder_layers", "moe_block"), level, qgemm.HEADERS)
+    return native.simd_kernel(SOURCES, ("decoder_layers", "moe_block", "group_allreduce"), level, qgemm.HEADERS)
 
 
 def attach_moe(model) -> int:
@@ -39,6 +41,12 @@ def attach_moe(model) -> int:
     for block in blocks:
         block.kernel = NativeMoE.build(block, lib)
     return sum(block.kernel is not None for block in blocks)
+
+
+def _local(linear):
+    """A tensor-parallel rank's part of a row-parallel linear (`parallel.shard.RowParallelLinear`),
+    or the linear itself."""
+    return getattr(linear, "local", linear)
 
 
 class NativeDecoderStack:
@@ -59,17 +67,19 @@ class NativeDecoderStack:
         self.top_k = self.moe_blocks[0][1].top_k if self.moe_blocks else 0
         norm = layers[0].input_layernorm
         self.eps, self.norm_bf16 = norm.eps, norm.weight.dtype == torch.bfloat16
+        # a tensor-parallel rank: o_proj and down_proj are its parts of sums over the group
+        self.comm = getattr(first.o_proj, "group", None)
         self._refs: list[torch.Tensor] = []  # keeps every buffer the table points to alive
         self.table = (kernel_abi.Layer * self.num_layers)()  # decoder.c's layers
         for row, layer in zip(self.table, layers):
             attn, mlp = layer.self_attn, layer.mlp
-            for field, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj)):
+            for field, linear in (("qkv", attn.qkv_proj), ("o", _local(attn.o_proj))):
                 setattr(row, field, self._linear(linear))
             if isinstance(mlp, SparseMoE):  # its NativeMoE holds what its table points to
                 self._refs.append(mlp.kernel)
                 row.moe = ctypes.pointer(mlp.kernel.table)
             else:
-                row.gate_up, row.down = self._linear(mlp.gate_up_proj), self._linear(mlp.down_proj)
+                row.gate_up, row.down = self._linear(mlp.gate_up_proj), self._linear(_local(mlp.down_proj))
             if attn.q_norm is not None and not attn.norm_full:  # Qwen3: per head, the width of a head
                 # (OLMoE's whole-width norms are not the C loop's: `use_layer_stack` drops the stack)
                 row.q_norm = self._ptr("self_attn.q_norm.weight", attn.q_norm.weight, self.head_dim)
@@ -97,9 +107,11 @@ class NativeDecoderStack:
         norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm,
                                                  layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
         blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
+        comm = getattr(layers[0].self_attn.o_proj, "group", None)
         fits = (
-            all(
-                isinstance(m, QLinear)
+            (comm is None or (comm.group is not None and not blocks))  # its all-reduce in C; no MoE split
+            and all(
+                isinstance(_local(m), QLinear)
                 for layer in layers
                 for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
                 + (() if isinstance(layer.mlp, SparseMoE) else (layer.mlp.gate_up_proj, layer.mlp.down_proj))
@@ -140,11 +152,18 @@ class NativeDecoderStack:
         att = h.new_empty(t, hq * d)
         gate_up = h.new_empty(t, 2 * self.intermediate)
         expert_ids = torch.empty(self.num_layers, t, self.top_k, dtype=torch.int32) if self.top_k else None
+        partial = torch.empty(t, self.hidden, dtype=torch.float32) if self.comm is not None else None
         rc = self.lib.decoder_layers(
             h.data_ptr(), t, self.table, self.num_layers, self.norm_bf16, self.eps, ctypes.byref(attention),
             kv_cache.kv.data_ptr(), self.scale, qkv.data_ptr(), att.data_ptr(), gate_up.data_ptr(),
-            None if expert_ids is None else expert_ids.data_ptr(), self.top_k, torch.get_num_threads(),
+            None if expert_ids is None else expert_ids.data_ptr(), self.top_k,
+            None if partial is None else ctypes.byref(self.comm.group), None if partial is None else partial.data_ptr(),
+            torch.get_num_threads(),
         )
+        if self.comm is not None:
+            for _ in range(2 * self.num_layers):
+                self.comm.count(t * self.hidden)
+            self.comm.raise_for_status(rc)
         kernel_abi.raise_for_status(rc, "decoder_layers")
         for i, block in self.moe_blocks:
             block.last_expert_ids = expert_ids[i]

@@ -127,10 +127,13 @@ class QLinear(nn.Module):
         eps: float = 0.0,
         residual: torch.Tensor | None = None,
         glu: bool = False,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """`x [..., K] -> [..., N]`, in one kernel call with what is fused into it:
         `norm_weight [K]`: of `RMSNorm(x)`; `glu`: of `silu(gate) * up` where `x [..., 2K]` is
-        `gate | up`; `residual [..., N]` (x's dtype): `residual + linear(...)`."""
+        `gate | up`; `residual [..., N]` (x's dtype): `residual + linear(...)`. `out_dtype`
+        (bf16 or fp32; None: x's dtype): the kernel's output as it comes out, not rounded to x's
+        dtype (a tensor-parallel rank's part of a sum)."""
         if glu and norm_weight is not None:
             raise ValueError("the kernel fuses either an RMSNorm or a SiLU-GLU before a linear, not both")
         k = 2 * self.in_features if glu else self.in_features
@@ -142,7 +145,7 @@ class QLinear(nn.Module):
         if x2.dtype not in FLOATS:
             x2 = x2.float()
         x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], self.out_features, dtype=x2.dtype)  # [M, N]
+        y = torch.empty(x2.shape[0], self.out_features, dtype=out_dtype or x2.dtype)  # [M, N]
         if residual is not None:
             if residual.device.type != "cpu" or residual.numel() != y.numel():
                 raise ValueError(f"residual must be a CPU tensor of {y.numel()} elements [..., {self.out_features}], "
@@ -161,7 +164,7 @@ class QLinear(nn.Module):
                 norm_weight is not None and norm_weight.dtype == torch.bfloat16, eps, torch.get_num_threads(),
             )
             raise_for_status(rc, "qgemm")
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features).to(out_dtype or x.dtype)
 
     def _check_weights(self) -> None:
         """`check_weights` on the buffers, once per set of buffers (`.to()`, `pack_tiles` and
@@ -208,6 +211,49 @@ def take_rows(module: QLinear, ids: torch.Tensor) -> QLinear:
     t = len(ids) // TILE
     offsets = torch.arange(t, dtype=torch.int64) * tile_size(bits, k)
     return QLinear(tiles, offsets, torch.full((t,), bits, dtype=torch.uint8), k, bias)
+
+
+def input_step(module: QLinear) -> int:
+    """The inputs of one block of `module`'s formats (256 where a tile is a k-quant, else 32):
+    `take_inputs` cuts at multiples of it."""
+    return SUPER if set(module.tile_bits.tolist()) & kquant.SUPER_KINDS else GROUP
+
+
+def take_output_tiles(module: QLinear, ranges: list[tuple[int, int]]) -> QLinear:
+    """A `QLinear` of `module`'s output rows `[start, end)` of each range, end to end (multiples of
+    16: whole tiles), the tiles' bytes as they are (a tensor-parallel rank's heads)."""
+    if any(a % TILE or b % TILE or not 0 <= a <= b <= module.out_features for a, b in ranges):
+        raise ValueError(f"rows are taken in whole tiles of {TILE} within {module.out_features}, got {ranges}")
+    tiles = [t for a, b in ranges for t in range(a // TILE, b // TILE)]
+    offsets, bits = module.tile_offsets.tolist(), module.tile_bits.tolist()
+    parts = [module.tiles[offsets[t] : offsets[t] + tile_size(bits[t], module.in_features)] for t in tiles]
+    rows = torch.cat([torch.arange(a, b) for a, b in ranges]) if ranges else torch.empty(0, dtype=torch.long)
+    bias = None if module.bias is None else module.bias[rows].clone()
+    return QLinear(torch.cat(parts), _offsets(parts), module.tile_bits[tiles].clone(), module.in_features, bias)
+
+
+def take_inputs(module: QLinear, start: int, end: int, bias: bool = True) -> QLinear:
+    """A `QLinear` over `module`'s inputs `[start, end)` (multiples of `input_step`): each tile's
+    blocks there, as they are (a tensor-parallel rank's part of a row-parallel linear); without
+    `bias` none (the ranks' parts are summed: one of them adds it)."""
+    k, step = module.in_features, input_step(module)
+    if start % step or end % step or not 0 <= start < end <= k:
+        raise ValueError(f"inputs are taken in blocks of {step} within {k}, got [{start}, {end})")
+    parts = []
+    for offset, b in zip(module.tile_offsets.tolist(), module.tile_bits.tolist()):
+        record = tile_size(b, k) // (k // _block_inputs(b))  # a tile is its blocks along K, in order
+        parts.append(module.tiles[offset + start // _block_inputs(b) * record : offset + end // _block_inputs(b) * record])
+    keep = module.bias.clone() if bias and module.bias is not None else None
+    return QLinear(torch.cat(parts), _offsets(parts), module.tile_bits.clone(), end - start, keep)
+
+
+def _block_inputs(bits: int) -> int:
+    return kquant.BLOCK_INPUTS.get(bits, GROUP)
+
+
+def _offsets(parts: list[torch.Tensor]) -> torch.Tensor:
+    sizes = torch.tensor([0] + [p.numel() for p in parts[:-1]], dtype=torch.int64)
+    return torch.cumsum(sizes, 0)
 
 
 def _whole_tiles(module: QLinear, size: int) -> torch.Tensor:

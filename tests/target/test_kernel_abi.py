@@ -83,7 +83,7 @@ a = kernel_abi.Attention(slots=ctypes.addressof(buf), block_tables=ctypes.addres
 layers = (kernel_abi.Layer * 1)()
 print(lib.qgemm(buf, 1, 1, 48, 0, buf, buf, buf, 16, None, None, buf, 1, None, 0, 0.0, 1),  # k % 32
       lib.rope_write_attend(ctypes.byref(a), buf, 256, buf, buf, 1.0, buf, 1),
-      lib.decoder_layers(None, 1, layers, 1, 0, 0.0, ctypes.byref(a), buf, 1.0, buf, buf, buf, None, 0, 1),
+      lib.decoder_layers(None, 1, layers, 1, 0, 0.0, ctypes.byref(a), buf, 1.0, buf, buf, buf, None, 0, None, None, 1),
       lib.moe_block(buf, 1, 1, ctypes.byref(kernel_abi.Moe(top_k=3, num_experts=2, hidden=64)), None, 0, 0.0,
                     None, buf, None, 1))  # more experts a token than there are
 """

@@ -1,0 +1,173 @@
+"""Cut a loaded model to one rank's part, in place.
+
+Tensor parallel (Megatron's split): q/k/v and gate|up keep this rank's output rows (its query
+heads with their KV heads; its share of the MLP's width), o_proj and down_proj its input columns
+inside a `RowParallelLinear`, whose output is the sum over the ranks. Every cut falls on whole
+blocks of the weights' format (16 rows a tile; 32 or 256 inputs a block), so the bytes are the
+loaded ones, moved. Pipeline parallel: a contiguous range of layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from specdec.target.model import LlamaForCausalLM
+from specdec.target.moe import SparseMoE
+from specdec.target.quant.qlinear import QLinear, input_step, pack_tiles, take_inputs, take_output_tiles
+
+
+class ParallelConfigError(ValueError):
+    """The model cannot be split this way (heads, widths or a layer type that does not divide)."""
+
+
+class RowParallelLinear(nn.Module):
+    """A linear over this rank's share of the inputs (`local`); its output is summed over the
+    group (`group.all_reduce_`, fp32) before the residual add, which rounds as the unsplit
+    linear's fused one does."""
+
+    fuses_epilogue = True
+
+    def __init__(self, local: nn.Module, group) -> None:
+        super().__init__()
+        self.local, self.group = local, group
+        self.in_features, self.out_features = local.in_features, local.out_features
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+        if isinstance(self.local, QLinear):
+            part = self.local(x, glu=glu, out_dtype=torch.float32)
+        else:
+            if glu:
+                gate, up = x.chunk(2, dim=-1)
+                x = F.silu(gate) * up
+            part = self.local(x).float()
+        part = self.group.all_reduce_(part.contiguous().view(-1)).view(part.shape).to(x.dtype)
+        return part if residual is None else residual + part
+
+
+def split(units: int, rank: int, world: int) -> tuple[int, int]:
+    """Rank `rank`'s range of `units` split as evenly as whole units go (the first ranks one more)."""
+    base, extra = divmod(units, world)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def check_tensor_parallel(model: LlamaForCausalLM, world: int) -> None:
+    """`ParallelConfigError` where the model does not split over `world` ranks."""
+    cfg = model.config
+    why = None
+    if cfg.moe is not None or any(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers):
+        why = "mixture-of-experts layers are not split yet (run them with --pipeline-parallel-size)"
+    elif cfg.mla is not None:
+        why = "latent attention (MLA) is not split yet"
+    elif cfg.qk_norm_full:
+        why = "q/k norms over all heads at once (OLMoE) need every head"
+    elif cfg.num_heads % world:
+        why = f"its {cfg.num_heads} query heads do not divide by {world}"
+    elif cfg.num_kv_heads % world and world % cfg.num_kv_heads:
+        why = f"its {cfg.num_kv_heads} KV heads neither divide by {world} nor divide it"
+    if why:
+        raise ParallelConfigError(f"tensor parallelism over {world} ranks: {why}")
+
+
+def tensor_parallel(model: LlamaForCausalLM, rank: int, world: int, group) -> None:
+    """Keep rank `rank`'s part of every layer; the LM head stays on rank 0 (the others drop it:
+    the driver samples). `group` carries the all-reduces."""
+    check_tensor_parallel(model, world)
+    cfg = model.config
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    hq_local = hq // world
+    if hkv % world == 0:  # KV heads split with their query heads
+        kv_heads = list(range(rank * hkv // world, (rank + 1) * hkv // world))
+    else:  # fewer KV heads than ranks: each rank keeps the one its query heads read (replicated)
+        kv_heads = [rank * hq_local // (hq // hkv)]
+    q = (rank * hq_local * d, (rank + 1) * hq_local * d)
+    qkv_rows = [q] + [(hq * d + j * d, hq * d + (j + 1) * d) for j in kv_heads]
+    qkv_rows += [((hq + hkv) * d + j * d, (hq + hkv) * d + (j + 1) * d) for j in kv_heads]
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is not None:
+            attn.qkv_proj = _rows(attn.qkv_proj, qkv_rows)
+        else:
+            attn.q_proj = _rows(attn.q_proj, [q])
+            attn.k_proj = _rows(attn.k_proj, [(j * d, (j + 1) * d) for j in kv_heads])
+            attn.v_proj = _rows(attn.v_proj, [(j * d, (j + 1) * d) for j in kv_heads])
+        attn.o_proj = RowParallelLinear(_inputs(attn.o_proj, *q, bias=rank == 0), group)
+        attn.num_heads, attn.num_kv_heads = hq_local, len(kv_heads)
+        width = mlp.down_proj.in_features
+        unit = math.lcm(_input_unit(mlp.down_proj),
+                        _row_unit(mlp.gate_up_proj if mlp.gate_up_proj is not None else mlp.gate_proj))
+        if width % unit:
+            raise ParallelConfigError(f"the MLP's width {width} is not made of blocks of {unit}")
+        a, b = (unit * x for x in split(width // unit, rank, world))
+        if mlp.gate_up_proj is not None:
+            mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(a, b), (width + a, width + b)])
+        else:
+            mlp.gate_proj, mlp.up_proj = _rows(mlp.gate_proj, [(a, b)]), _rows(mlp.up_proj, [(a, b)])
+        mlp.down_proj = RowParallelLinear(_inputs(mlp.down_proj, a, b, bias=rank == 0), group)
+    model.config = dataclasses.replace(cfg, num_heads=hq_local, num_kv_heads=len(kv_heads))
+    if rank != 0:
+        model.lm_head = None
+    _finish(model)
+
+
+def pipeline_stage(model: LlamaForCausalLM, stage: int, stages: int) -> tuple[int, int]:
+    """Keep stage `stage`'s layers (as even a split as whole layers go); the embedding stays on
+    the first stage, the final norm and LM head on the first too (the driver: the last stage
+    sends its hidden rows back). Returns the stage's layer range."""
+    layers = model.model.layers
+    if len(layers) < stages:
+        raise ParallelConfigError(f"{len(layers)} layers cannot fill {stages} pipeline stages")
+    a, b = split(len(layers), stage, stages)
+    model.model.layers = nn.ModuleList(list(layers)[a:b])
+    model.layer_offset = a
+    if stage != 0:
+        model.lm_head = None
+        model.model.embed_tokens = None
+    _finish(model)
+    return a, b
+
+
+def _finish(model: LlamaForCausalLM) -> None:
+    """The kept tiles end to end in one arena (what the loader does), the rest freed."""
+    pack_tiles([m for m in model.modules() if isinstance(m, QLinear)])
+    from specdec.target.model_weights import release_freed_memory
+
+    release_freed_memory()
+
+
+def _rows(linear: nn.Module, ranges: list[tuple[int, int]]) -> nn.Module:
+    if isinstance(linear, QLinear):
+        return take_output_tiles(linear, ranges)
+    rows = torch.cat([torch.arange(a, b) for a, b in ranges])
+    out = nn.Linear(linear.in_features, len(rows), bias=linear.bias is not None, device="meta")
+    out.weight = nn.Parameter(linear.weight[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        out.bias = nn.Parameter(linear.bias[rows].clone(), requires_grad=False)
+    return out
+
+
+def _inputs(linear: nn.Module, start: int, end: int, bias: bool) -> nn.Module:
+    if isinstance(linear, QLinear):
+        step = input_step(linear)
+        if start % step or end % step:
+            raise ParallelConfigError(f"a rank's inputs [{start}, {end}) of a linear cut its blocks of {step} "
+                                      "inputs: this tensor-parallel size does not fit the weights' format")
+        return take_inputs(linear, start, end, bias)
+    out = nn.Linear(end - start, linear.out_features, bias=bias and linear.bias is not None, device="meta")
+    out.weight = nn.Parameter(linear.weight[:, start:end].clone(), requires_grad=False)
+    if out.bias is not None:
+        out.bias = nn.Parameter(linear.bias.clone(), requires_grad=False)
+    return out
+
+
+def _input_unit(linear: nn.Module) -> int:
+    return input_step(linear) if isinstance(linear, QLinear) else 1
+
+
+def _row_unit(linear: nn.Module) -> int:
+    return 16 if isinstance(linear, QLinear) else 1

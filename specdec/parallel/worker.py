@@ -1,0 +1,102 @@
+"""A rank's process (ranks 1..N-1; the driver is rank 0): load the target, keep this rank's part,
+build its paged cache when the driver says how big, then run every step the driver sends until
+it says stop or goes away. Any failure is sent to the driver and ends the process."""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to load and join its group (picklable: it crosses to a spawned process)."""
+
+    model_dir: str
+    dtype: str
+    quant: str
+    mode: str  # "tensor" or "pipeline"
+    world: int
+    threads: int
+    timeout_s: float
+    host: str
+    port: int
+    shm: str | None
+
+
+def main(spec: RankSpec, rank: int, conn) -> None:
+    try:
+        Rank(spec, rank, conn).serve()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the driver is gone: nothing to tell
+        os._exit(0)
+    except BaseException:
+        try:
+            conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
+        except (OSError, ValueError):
+            pass
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.flush()
+        os._exit(1)
+
+
+class Rank:
+    def __init__(self, spec: RankSpec, rank: int, conn) -> None:
+        from specdec.parallel import shard
+        from specdec.parallel.comm import Comm, ShmRegion
+        from specdec.target.model_weights import load_model, parse_dtype
+
+        torch.set_num_threads(spec.threads)
+        self.spec, self.rank, self.conn = spec, rank, conn
+        region = ShmRegion(spec.shm, spec.world) if spec.shm else None
+        self.comm = Comm(rank, spec.world, None, region, spec.timeout_s)
+        model = load_model(spec.model_dir, parse_dtype(spec.dtype), "cpu", spec.quant)
+        if spec.mode == "tensor":
+            shard.tensor_parallel(model, rank, spec.world, self.comm)
+            layers = (0, len(model.model.layers))
+        else:
+            layers = shard.pipeline_stage(model, rank, spec.world)
+        self.model = model
+        weights = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.parameters()}.values())
+        weights += sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.buffers()}.values())
+        conn.send(("loaded", {"weights": weights, "layers": layers, "pid": os.getpid()}))
+
+    def serve(self) -> None:
+        from specdec.cache import PagedKVCache
+        from specdec.parallel.comm import process_group
+        from specdec.target.runner import ModelRunner
+
+        spec = self.spec
+        self.comm.pg = process_group(spec.host, spec.port, self.rank, spec.world, spec.timeout_s)
+        what, num_blocks, block_size, kv_dtype, backend = self.conn.recv()
+        assert what == "cache", what
+        dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else None
+        cache = PagedKVCache(ModelRunner.kv_spec(self.model, block_size, dtype), num_blocks)
+        self.runner = ModelRunner(self.model, cache, attention_backend=backend)
+        self.conn.send(("ready", {"kv": cache.kv.numel() * cache.kv.element_size()}))
+        while True:
+            message = self.conn.recv()
+            if message[0] == "stop":
+                return
+            self.step(*message[1:])
+
+    @torch.inference_mode()
+    def step(self, wire: dict) -> None:
+        from specdec.parallel.group import step_from_wire
+
+        step = step_from_wire(wire)
+        model, cache = self.model, self.runner.kv_cache
+        if self.spec.mode == "tensor":
+            model(step.input_ids, step.positions, cache, step.meta, step.logits_indices[:0])
+            return
+        stage, last = self.rank, self.spec.world - 1
+        dtype = model.model.norm.weight.dtype
+        h = self.comm.recv(torch.empty(len(step.input_ids), model.config.hidden_size, dtype=dtype), stage - 1)
+        h = model.run_layers(h, step.positions, cache, step.meta)
+        if stage != last:
+            self.comm.send(h, stage + 1)
+        elif len(step.logits_indices):
+            self.comm.send(h[step.logits_indices].contiguous(), 0)
