@@ -5,6 +5,7 @@
     target.model (config, rope)        knows no quantization and no loader
     target.quant                       converts linears; knows no loader and no runner
     target.runner, target loaders      build and run models
+    parallel                           a target split over processes (runner, loaders below it)
     draft, engine, api, eval           above
 
 An import inside a function is an import: a loop held together by one is still a loop.
@@ -38,6 +39,7 @@ RULES = [
     (MODEL, ("specdec.target.quant", "specdec.target.runner") + LOADERS),
     (("specdec.target.quant",), ("specdec.target.runner",) + LOADERS),
     (MODELS, PROPOSERS + ENGINE + FRONTS),
+    (("specdec.parallel",), PROPOSERS + ENGINE + FRONTS),  # a target over ranks: below the engine
     (("specdec.paths", "specdec.target.quant.modes"), ("specdec.",)),  # leaves
 ]
 

@@ -188,9 +188,9 @@ class RankGroup:
         """`what`, with each rank that is gone and what it reported."""
         parts = [f"{self.mode}-parallel group of {self.world}: {what}"]
         for i, (process, conn) in enumerate(zip(self.processes, self.conns)):
+            process.join(0.5)  # one the C side saw go may still be exiting
             if process.is_alive():
                 continue
-            process.join(1)
             note = f"rank {i + 1} (pid {process.pid}) exited with code {process.exitcode}"
             try:
                 if conn.poll(0.5) and (message := conn.recv())[0] == "error":

@@ -49,6 +49,24 @@ class RowParallelLinear(nn.Module):
         return part if residual is None else residual + part
 
 
+class VocabParallelHead(nn.Module):
+    """The LM head over this rank's rows of the vocabulary (`local`, ids `start..end`); the
+    logits come out whole on every rank: each rank's ids in place, zeros elsewhere, summed over
+    the group (adding zeros is exact, so they are bitwise the unsplit head's)."""
+
+    def __init__(self, local: nn.Module, start: int, vocab: int, group) -> None:
+        super().__init__()
+        self.local, self.start, self.group = local, start, group
+        self.in_features, self.out_features = local.in_features, vocab
+        self.fuses_rmsnorm = getattr(local, "fuses_rmsnorm", False)
+
+    def forward(self, x: torch.Tensor, *norm) -> torch.Tensor:
+        part = self.local(x, *norm)
+        logits = torch.zeros(*part.shape[:-1], self.out_features, dtype=torch.float32)
+        logits[..., self.start : self.start + part.shape[-1]] = part.float()
+        return self.group.all_reduce_(logits.view(-1)).view(logits.shape)
+
+
 def split(units: int, rank: int, world: int) -> tuple[int, int]:
     """Rank `rank`'s range of `units` split as evenly as whole units go (the first ranks one more)."""
     base, extra = divmod(units, world)
@@ -75,8 +93,8 @@ def check_tensor_parallel(model: LlamaForCausalLM, world: int) -> None:
 
 
 def tensor_parallel(model: LlamaForCausalLM, rank: int, world: int, group) -> None:
-    """Keep rank `rank`'s part of every layer; the LM head stays on rank 0 (the others drop it:
-    the driver samples). `group` carries the all-reduces."""
+    """Keep rank `rank`'s part of every layer and of the LM head's vocabulary (`VocabParallelHead`);
+    `group` carries the all-reduces."""
     check_tensor_parallel(model, world)
     cfg = model.config
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -110,8 +128,11 @@ def tensor_parallel(model: LlamaForCausalLM, rank: int, world: int, group) -> No
             mlp.gate_proj, mlp.up_proj = _rows(mlp.gate_proj, [(a, b)]), _rows(mlp.up_proj, [(a, b)])
         mlp.down_proj = RowParallelLinear(_inputs(mlp.down_proj, a, b, bias=rank == 0), group)
     model.config = dataclasses.replace(cfg, num_heads=hq_local, num_kv_heads=len(kv_heads))
-    if rank != 0:
-        model.lm_head = None
+    vocab = model.lm_head.out_features
+    a, b = (x * _row_unit(model.lm_head) for x in split(vocab // _row_unit(model.lm_head), rank, world))
+    if rank == world - 1:
+        b = vocab  # a vocabulary off the tile grid: its last rows on the last rank
+    model.lm_head = VocabParallelHead(_rows(model.lm_head, [(a, b)]), a, vocab, group)
     _finish(model)
 
 

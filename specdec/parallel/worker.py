@@ -90,7 +90,7 @@ class Rank:
         step = step_from_wire(wire)
         model, cache = self.model, self.runner.kv_cache
         if self.spec.mode == "tensor":
-            model(step.input_ids, step.positions, cache, step.meta, step.logits_indices[:0])
+            model(step.input_ids, step.positions, cache, step.meta, step.logits_indices)
             return
         stage, last = self.rank, self.spec.world - 1
         dtype = model.model.norm.weight.dtype

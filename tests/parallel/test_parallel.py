@@ -1,0 +1,162 @@
+"""Tensor and pipeline parallelism (`specdec.parallel`) with 2 local processes: logits and greedy
+tokens against one process, a prefix-cache hit and chunked prefill, the C layer loop's
+all-reduce, and ranks that die or hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from specdec import Engine, EngineConfig, SamplingParams
+from specdec.engine import StepError
+from specdec.parallel.comm import RankFailure
+from specdec.parallel.shard import ParallelConfigError, split
+from specdec.target.runner import Window
+from specdec.testing import tiny_hf_model, tiny_tokenizer
+
+PROMPTS = ["def quicksort(xs):\n    if len(xs) <= 1:", "hello world, this is a test", "x = [1, 2, 3]\nprint(x"]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny fp32 target (4 query heads, 2 KV heads, 4 layers) and draft, as HF folders."""
+    root = tmp_path_factory.mktemp("parallel")
+    tokenizer = tiny_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    paths = []
+    for name, layers, seed in (("target", 4, 0), ("draft", 1, 1)):
+        model = tiny_hf_model("qwen2", seed, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None,
+                              num_hidden_layers=layers)
+        model.save_pretrained(root / name, safe_serialization=True)
+        tokenizer.save_pretrained(root / name)
+        paths.append(str(root / name))
+    return paths
+
+
+def engine(pair, **kw) -> Engine:
+    target, draft = pair
+    kw.setdefault("dtype", "float32")
+    return Engine(EngineConfig(target=target, draft=draft, num_blocks=64, **kw))
+
+
+def prompt_logits(e: Engine, ids: list[int], chunks: int = 1) -> torch.Tensor:
+    """The target's logits at every position of `ids`, fed in `chunks` windows; the blocks freed."""
+    runner = e.target
+    table = runner.new_table()
+    assert table.ensure_slots(len(ids))
+    bounds = [len(ids) * i // chunks for i in range(chunks + 1)]
+    out = [runner.forward([Window(table, ids[a:b], num_logits=b - a)]) for a, b in zip(bounds, bounds[1:])]
+    table.free()
+    return torch.cat(out)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    e = engine(pair)
+    ids = e.encode(PROMPTS[0])
+    out = {"logits": prompt_logits(e, ids), "tokens": [o.token_ids for o in e.generate(PROMPTS, GREEDY)], "ids": ids}
+    e.close()
+    return out
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_two_ranks_match_one_process(pair, reference, layout):
+    e = engine(pair, **layout)
+    try:
+        for chunks in (1, 3):  # whole, and as chunked prefill over the cached start
+            got = prompt_logits(e, reference["ids"], chunks)
+            assert (got - reference["logits"]).abs().max().item() < 1e-5
+        assert [o.token_ids for o in e.generate(PROMPTS, GREEDY)] == reference["tokens"]  # speculative
+        again = e.generate(PROMPTS[:1], GREEDY)[0]  # the prompt's blocks are a prefix-cache hit now
+        assert again.num_cached_tokens > 0 and again.token_ids == reference["tokens"][0]
+        assert e.target.pool.num_used == 0
+    finally:
+        e.close()
+    assert all(not p.is_alive() for p in e.target.group.processes)
+
+
+def test_chunked_prefill_beside_decoding_streams(pair, reference):
+    e = engine(pair, tensor_parallel_size=2, max_num_batched_tokens=8)
+    try:
+        assert [o.token_ids for o in e.generate(PROMPTS, GREEDY)] == reference["tokens"]
+    finally:
+        e.close()
+
+
+def test_each_rank_holds_its_part(pair):
+    e = engine(pair, tensor_parallel_size=2, proposer="none")
+    try:
+        model, (rank1,) = e.target.model, e.target.group.rank_memory()
+        attn = model.model.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+        assert model.model.layers[0].mlp.down_proj.local.in_features == 64  # of 128
+        assert e.target.kv_cache.spec.num_kv_heads == 1
+        assert rank1["layers"] == [0, 4] or rank1["layers"] == (0, 4)
+    finally:
+        e.close()
+    e = engine(pair, pipeline_parallel_size=2, proposer="none")
+    try:
+        assert len(e.target.model.model.layers) == 2 and e.target.kv_cache.spec.num_layers == 2
+        assert tuple(e.target.group.rank_memory()[0]["layers"]) == (2, 4)
+    finally:
+        e.close()
+
+
+def _fails_fast(e: Engine, timeout_s: float, match: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(StepError) as info:
+        e.generate(PROMPTS[:2], GREEDY)
+    assert time.monotonic() - start < timeout_s + 10
+    assert isinstance(info.value.__cause__, RankFailure) and info.value.__cause__.fatal
+    assert match in str(info.value.__cause__)
+    assert e.target.pool.num_used == 0 and e.proposer.pool.num_used == 0  # the failed requests' blocks freed
+    with pytest.raises(StepError):  # and the engine stays failed, at once
+        e.generate(PROMPTS[:1], GREEDY)
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_killed_rank_is_a_clear_error(pair, layout):
+    e = engine(pair, parallel_timeout_s=20, **layout)
+    try:
+        os.kill(e.target.group.processes[0].pid, signal.SIGKILL)
+        _fails_fast(e, 20, "rank 1")
+    finally:
+        e.close()
+
+
+def test_a_hung_rank_times_out(pair):
+    e = engine(pair, tensor_parallel_size=2, parallel_timeout_s=3)
+    pid = e.target.group.processes[0].pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        _fails_fast(e, 3, "did not answer within 3 s")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        e.close()
+    assert not e.target.group.processes[0].is_alive()
+
+
+def test_configurations_that_do_not_split(pair):
+    with pytest.raises(ValueError, match="together"):
+        EngineConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="1..32"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ParallelConfigError, match="3 query heads|query heads do not divide"):
+        engine(pair, tensor_parallel_size=3)
+    assert [split(35, r, 2) for r in (0, 1)] == [(0, 18), (18, 35)]
+
+
+def test_handoff_refuses_a_parallel_target(pair):
+    e = engine(pair, pipeline_parallel_size=2, proposer="none")
+    try:
+        with pytest.raises(ValueError, match="not supported"):
+            e.kv_runners()
+    finally:
+        e.close()
