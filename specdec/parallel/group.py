@@ -22,36 +22,13 @@ from datetime import timedelta
 
 import torch
 
-from specdec.cache import AttentionMetadata, PagedKVCache
+from specdec.cache import PagedKVCache
 from specdec.parallel import shard
 from specdec.parallel.comm import Comm, RankFailure, ShmRegion, process_group, shm_path
-from specdec.parallel.worker import RankSpec, main
+from specdec.parallel.worker import RankSpec, main, step_to_wire
 from specdec.target.runner import ModelRunner, Step
 
 LOAD_TIMEOUT_S = 3600.0  # a rank's first load may quantize a large model
-
-
-def step_to_wire(step: Step) -> dict:
-    """A step's tensors as host lists (what crosses the pipe)."""
-    meta = step.meta
-    return {
-        "input_ids": step.input_ids.tolist(), "positions": step.positions.tolist(),
-        "logits_indices": step.logits_indices.tolist(), "slot_mapping": meta.slot_mapping.tolist(),
-        "block_tables": meta.block_tables.tolist(), "seq_lens": meta.seq_lens_cpu,
-        "query_start_loc": meta.query_start_loc.tolist(), "max_query_len": meta.max_query_len,
-        "max_seq_len": meta.max_seq_len, "query_lens": meta.query_lens_cpu, "backend": meta.backend,
-    }
-
-
-def step_from_wire(wire: dict) -> Step:
-    as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype)  # noqa: E731
-    tables = as_tensor(wire["block_tables"], torch.int32).view(len(wire["seq_lens"]), -1)
-    meta = AttentionMetadata(
-        as_tensor(wire["slot_mapping"]), tables, as_tensor(wire["seq_lens"], torch.int32),
-        as_tensor(wire["query_start_loc"], torch.int32), wire["max_query_len"], wire["max_seq_len"],
-        list(wire["seq_lens"]), list(wire["query_lens"]), wire["backend"],
-    )
-    return Step(as_tensor(wire["input_ids"]), as_tensor(wire["positions"]), meta, as_tensor(wire["logits_indices"]), [])
 
 
 class RankGroup:

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.cache import AttentionMetadata
+from specdec.target.runner import Step
+
 
 @dataclass(frozen=True)
 class RankSpec:
@@ -26,6 +29,29 @@ class RankSpec:
     host: str
     port: int
     shm: str | None
+
+
+def step_to_wire(step: Step) -> dict:
+    """A step's tensors as host lists (what crosses the pipe)."""
+    meta = step.meta
+    return {
+        "input_ids": step.input_ids.tolist(), "positions": step.positions.tolist(),
+        "logits_indices": step.logits_indices.tolist(), "slot_mapping": meta.slot_mapping.tolist(),
+        "block_tables": meta.block_tables.tolist(), "seq_lens": meta.seq_lens_cpu,
+        "query_start_loc": meta.query_start_loc.tolist(), "max_query_len": meta.max_query_len,
+        "max_seq_len": meta.max_seq_len, "query_lens": meta.query_lens_cpu, "backend": meta.backend,
+    }
+
+
+def step_from_wire(wire: dict) -> Step:
+    as_tensor = lambda xs, dtype=torch.long: torch.tensor(xs, dtype=dtype)  # noqa: E731
+    tables = as_tensor(wire["block_tables"], torch.int32).view(len(wire["seq_lens"]), -1)
+    meta = AttentionMetadata(
+        as_tensor(wire["slot_mapping"]), tables, as_tensor(wire["seq_lens"], torch.int32),
+        as_tensor(wire["query_start_loc"], torch.int32), wire["max_query_len"], wire["max_seq_len"],
+        list(wire["seq_lens"]), list(wire["query_lens"]), wire["backend"],
+    )
+    return Step(as_tensor(wire["input_ids"]), as_tensor(wire["positions"]), meta, as_tensor(wire["logits_indices"]), [])
 
 
 def main(spec: RankSpec, rank: int, conn) -> None:
@@ -85,8 +111,6 @@ class Rank:
 
     @torch.inference_mode()
     def step(self, wire: dict) -> None:
-        from specdec.parallel.group import step_from_wire
-
         step = step_from_wire(wire)
         model, cache = self.model, self.runner.kv_cache
         if self.spec.mode == "tensor":
