@@ -67,3 +67,18 @@ def test_failures_in_a_row_mean_the_engine_is_gone(serve, make_engine):
         assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503)
         later = httpx.post(srv.url + "/v1/chat/completions", json=chat_body(max_tokens=4))
         assert later.status_code == 503
+
+
+def test_a_lost_rank_means_the_engine_is_gone_at_once(serve, make_engine):
+    from specdec.parallel.comm import RankFailure
+
+    engine = make_engine()
+
+    def lost(*args, **kwargs):
+        raise RankFailure("tensor-parallel group of 2: a rank's process ended; rank 1 exited with code -9")
+
+    engine.target.forward = lost  # what a parallel target's runner raises when a rank is gone
+    with serve(engine) as srv:
+        response = httpx.post(srv.url + "/v1/chat/completions", json=chat_body(max_tokens=4), timeout=30)
+        assert response.status_code in (500, 503) and "rank 1" in response.text
+        assert wait_until(lambda: httpx.get(srv.url + "/health").status_code == 503)
