@@ -215,7 +215,7 @@ class Engine:
             if constraint is not None:
                 constraint.commit(generated)
         if payload is not None:  # last: nothing above may fail once blocks are held for it
-            written, seq.imported_partial = import_payload(self.kv_runners(), payload)  # (`handoff` is the flag here)
+            written, seq.imported_partial = import_payload(self._movable_runners(), payload)  # (`handoff` is the flag here)
             self.kv_imported_blocks += written
         self._sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -396,7 +396,7 @@ class Engine:
     def _hand_off(self, seq: Sequence, emitted: list[int], origins: list | None = None, text: str = "",
                   pieces: list[str] | None = None, logprobs: list[TokenLogprobs] | None = None) -> StepDelta:
         """End a handoff request: lease its prompt's blocks, free the rest, say where they are."""
-        ticket = handoff.take_lease(self.leases, self.kv_runners(), seq, handoff.compat_digest(self.compat))
+        ticket = handoff.take_lease(self.leases, self._movable_runners(), seq, handoff.compat_digest(self.compat))
         seq.finish_reason = "handoff"
         self.scheduler.finish(seq)
         return StepDelta(seq.request_id, emitted, origins or [], text, 0, 0, True, "handoff", pieces or [],
@@ -409,11 +409,16 @@ class Engine:
             if (close := getattr(runner, "close", None)) is not None:
                 close()
 
-    def kv_runners(self) -> dict[str, ModelRunner]:
-        """The runners whose paged caches a handoff moves, by pool name."""
+    def _movable_runners(self) -> dict[str, ModelRunner]:
+        """`kv_runners` where their blocks are to be read or written (a handoff's); a parallel
+        target's cache is spread over its ranks: ValueError."""
         if getattr(self.target, "group", None) is not None:
             raise ValueError("prefill/decode handoff of a tensor- or pipeline-parallel target is not supported: "
                              "its cache is spread over the ranks")
+        return self.kv_runners()
+
+    def kv_runners(self) -> dict[str, ModelRunner]:
+        """The runners whose paged caches a handoff moves, by pool name."""
         runners = {"target": self.target}
         if self.proposer is not None and self.proposer.pool is not None:
             runners["draft"] = self.proposer.runner
@@ -428,11 +433,11 @@ class Engine:
 
     def missing_keys(self, ticket: HandoffTicket) -> dict[str, list[bytes]]:
         """Per pool, the ticket's blocks this engine's caches lack."""
-        return handoff.missing_keys(self.kv_runners(), ticket)
+        return handoff.missing_keys(self._movable_runners(), ticket)
 
     def export_kv(self, lease_id: str, wanted: dict[str, list[bytes]] | None = None) -> KVPayload:
         """A lease's blocks (the `wanted` keys; None: all) as bytes; any thread. Then `release_lease`."""
-        return handoff.export_lease(self.leases, self.kv_runners(), lease_id, wanted)
+        return handoff.export_lease(self.leases, self._movable_runners(), lease_id, wanted)
 
     def release_lease(self, lease_id: str) -> bool:
         return handoff.release_lease(self.leases, self.kv_runners(), lease_id)

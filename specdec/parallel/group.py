@@ -56,6 +56,13 @@ class RankGroup:
             raise shard.ParallelConfigError("tensor and pipeline parallelism together are not supported yet: "
                                             "choose one")
         mode, world = ("tensor", tensor) if tensor > 1 else ("pipeline", pipeline)
+        from specdec.target.model_weights import load_config
+
+        config = load_config(model_dir)
+        if mode == "tensor":  # refused before any process starts
+            shard.check_tensor_parallel(config, world)
+        elif config.num_layers < world:
+            raise shard.ParallelConfigError(f"{config.num_layers} layers cannot fill {world} pipeline stages")
         cores = threads or torch.get_num_threads()
         # tensor ranks run at once: the cores split between them; pipeline stages take turns
         per_rank = max(1, cores // world) if mode == "tensor" else cores
@@ -219,10 +226,6 @@ class ParallelRunner(ModelRunner):
 
     def run_step(self, step: Step) -> torch.Tensor:
         return self.group.run_step(self.model, self.kv_cache, step)
-
-    @property
-    def max_positions(self) -> int:
-        return self.model.max_positions
 
     def close(self) -> None:
         self.group.close()

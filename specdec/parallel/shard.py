@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from specdec.target.config import ModelConfig
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.moe import SparseMoE
 from specdec.target.quant.qlinear import QLinear, input_step, pack_tiles, take_inputs, take_output_tiles
@@ -74,11 +75,10 @@ def split(units: int, rank: int, world: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def check_tensor_parallel(model: LlamaForCausalLM, world: int) -> None:
-    """`ParallelConfigError` where the model does not split over `world` ranks."""
-    cfg = model.config
+def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
+    """`ParallelConfigError` where a model of config `cfg` does not split over `world` ranks."""
     why = None
-    if cfg.moe is not None or any(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers):
+    if cfg.moe is not None:
         why = "mixture-of-experts layers are not split yet (run them with --pipeline-parallel-size)"
     elif cfg.mla is not None:
         why = "latent attention (MLA) is not split yet"
@@ -95,7 +95,9 @@ def check_tensor_parallel(model: LlamaForCausalLM, world: int) -> None:
 def tensor_parallel(model: LlamaForCausalLM, rank: int, world: int, group) -> None:
     """Keep rank `rank`'s part of every layer and of the LM head's vocabulary (`VocabParallelHead`);
     `group` carries the all-reduces."""
-    check_tensor_parallel(model, world)
+    if any(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers):
+        raise ParallelConfigError("tensor parallelism: mixture-of-experts layers are not split yet")
+    check_tensor_parallel(model.config, world)
     cfg = model.config
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     hq_local = hq // world
