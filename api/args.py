@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.config import QUANT_MODES, EngineConfig
+from specdec.config import PARALLEL_PLACEMENTS, PARALLEL_RANKS, QUANT_MODES, EngineConfig
 from specdec.sampling_params import SamplingParams
 
 
@@ -78,7 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="prefill chunk when no stream is decoding (default: "
                         f"{EngineConfig.max_prefill_chunk})")
     g.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, metavar="N",
-                   help="split the target over N processes on this machine by heads and MLP width "
+                   help="split the target over N processes by heads and MLP width "
                         "(each reads 1/N of its layers' weights; an all-reduce after o_proj and down_proj; "
                         "the CPU's cores are shared between them). The draft stays whole. CPU only")
     g.add_argument("--pipeline-parallel-size", "--pp", type=int, default=1, metavar="M",
@@ -87,6 +87,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--parallel-timeout", type=float, default=EngineConfig.parallel_timeout_s, metavar="S",
                    help="a rank that does not answer within S seconds ends the engine with an error "
                         f"(default {EngineConfig.parallel_timeout_s:g})")
+    g.add_argument("--parallel-ranks", choices=PARALLEL_RANKS, default=None,
+                   help="where the other ranks run: 'local' processes on this machine, or 'ray' actors "
+                        "on the Ray cluster at $RAY_ADDRESS (a local Ray without it; the model folder at "
+                        "the same path on every machine). Default: local; with serve --replicas, ray "
+                        "(each replica and its ranks one placement group)")
+    g.add_argument("--parallel-placement", choices=PARALLEL_PLACEMENTS, default=EngineConfig.parallel_placement,
+                   help="with Ray ranks: 'pack' them on one machine where they fit (the all-reduce through "
+                        "memory) or 'spread' them over machines (through gloo) (default: "
+                        f"{EngineConfig.parallel_placement})")
 
 
 def _draft_vocab(value: str) -> int | str:
@@ -127,6 +136,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         parallel_timeout_s=args.parallel_timeout,
+        parallel_ranks=args.parallel_ranks or ("ray" if getattr(args, "replicas", None) else "local"),
+        parallel_placement=args.parallel_placement,
     )
 
 

@@ -13,6 +13,8 @@ from specdec.target.quant.modes import QUANT_MODES
 PROPOSERS = ("draft", "hybrid", "ngram", "none")
 KV_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")
+PARALLEL_RANKS = ("local", "ray")  # where a parallel target's other ranks run (`specdec.parallel.launch`)
+PARALLEL_PLACEMENTS = ("pack", "spread")
 
 
 @dataclass
@@ -78,14 +80,18 @@ class EngineConfig:
     draft_quant: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
-    # The target split over processes on this machine (`specdec.parallel`; the draft stays whole
-    # on the driver): tensor parallel (each rank its heads and its share of the MLP, an all-reduce
-    # after o_proj and after down_proj) or pipeline parallel (each stage a range of layers), not
-    # both. The CPU only. A rank that dies or does not answer within `parallel_timeout_s` ends
-    # the engine (`RankFailure`).
+    # The target split over processes (`specdec.parallel`; the draft stays whole on the driver):
+    # tensor parallel (each rank its heads and its share of the MLP, an all-reduce after o_proj
+    # and after down_proj) or pipeline parallel (each stage a range of layers), not both. The CPU
+    # only. `parallel_ranks`: "local" spawns the ranks on this machine; "ray" places them as Ray
+    # actors (the cluster at RAY_ADDRESS, or the placement group of the Serve replica this runs
+    # in), `parallel_placement` "pack" (one machine where they fit) or "spread". A rank that dies
+    # or does not answer within `parallel_timeout_s` ends the engine (`RankFailure`).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel_timeout_s: float = 60.0
+    parallel_ranks: str = "local"
+    parallel_placement: str = "pack"
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -121,6 +127,10 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
             raise ValueError("tensor and pipeline parallelism together are not supported yet: set one of "
                              "tensor_parallel_size / pipeline_parallel_size to 1")
+        if self.parallel_ranks not in PARALLEL_RANKS:
+            raise ValueError(f"parallel_ranks must be one of {PARALLEL_RANKS}, got {self.parallel_ranks!r}")
+        if self.parallel_placement not in PARALLEL_PLACEMENTS:
+            raise ValueError(f"parallel_placement must be one of {PARALLEL_PLACEMENTS}, got {self.parallel_placement!r}")
         if not self.parallel_timeout_s > 0:
             raise ValueError(f"parallel_timeout_s must be positive, got {self.parallel_timeout_s}")
         if not self.prefill_gap_ratio > 1:

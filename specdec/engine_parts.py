@@ -97,7 +97,7 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
 
 
 def start_rank_group(config: EngineConfig, target_dir):
-    """The target's other ranks, spawned (`specdec.parallel`), or None for one process."""
+    """The target's other ranks, started (`specdec.parallel`), or None for one process."""
     if config.parallel_size == 1:
         return None
     if config.resolved_device() != "cpu":
@@ -106,7 +106,8 @@ def start_rank_group(config: EngineConfig, target_dir):
     from specdec.parallel.group import RankGroup
 
     return RankGroup.start(target_dir, config.dtype, config.target_quant, config.tensor_parallel_size,
-                           config.pipeline_parallel_size, config.parallel_timeout_s)
+                           config.pipeline_parallel_size, config.parallel_timeout_s, ranks=config.parallel_ranks,
+                           placement=config.parallel_placement)
 
 
 def restrict_draft_vocab(draft, tokenizer, size: int | str, stop_ids: list[int], log=None) -> None:

@@ -53,6 +53,10 @@ class ClusterOptions:
     kv_lease_timeout_s: float = 30.0  # a prefill replica frees handed-over blocks nobody pulled by then
     kv_pull_timeout_s: float = 30.0  # a decode replica recomputes the prompt when a pull takes longer
     pull_delay_s: float = 0.0  # wait before every pull (fault tests: kill a prefill replica meanwhile)
+    # a tensor- or pipeline-parallel target with Ray ranks: each replica and its ranks one
+    # placement group of `ranks` bundles (bundle 0 the replica's), packed or spread over machines
+    ranks: int = 1
+    rank_placement: str = "pack"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -163,9 +167,13 @@ def _engine_deployment(cls: Any, name: str, num_replicas: int, settings: Any, op
         graceful_shutdown_timeout_s=5.0,
         logging_config={"log_level": options.log_level, "enable_access_log": False},
         ray_actor_options={
-            "num_cpus": options.replica_cpus,
+            "num_cpus": options.replica_cpus / options.ranks,
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
         },
+        **({} if options.ranks == 1 else {  # the replica's ranks (Ray actors) go in bundles 1..N-1
+            "placement_group_bundles": [{"CPU": options.replica_cpus / options.ranks}] * options.ranks,
+            "placement_group_strategy": options.rank_placement.upper(),
+        }),
         request_router_config=RequestRouterConfig(
             request_router_class="specdec.api.cluster.ray_router.SpecdecRouter",
             request_router_kwargs={"policy": options.router, "balance_abs": balance.balance_abs,
@@ -260,6 +268,7 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
         route_timeout_s=args.route_timeout, stall_timeout_s=args.stall_timeout, warmup=args.warmup,
         balance=PrefixPolicyConfig(args.router_balance_abs, args.router_balance_rel, args.router_min_match),
         log_level=args.log_level.upper(),
+        ranks=config.parallel_size if config.parallel_ranks == "ray" else 1, rank_placement=config.parallel_placement,
     )
     start_ray(args.ray_address, num_cpus=max(cpus, int(replica_cpus * args.replicas)))
     logger.info("deploying %d engine replica(s)%s (%g CPU each, router: %s); /health is 200 once one is ready",

@@ -131,11 +131,17 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def process_group(host: str, port: int, rank: int, world: int, timeout_s: float, store=None):
-    """The gloo group of `world` ranks whose store listens at host:port (rank 0 holds it)."""
+def process_group(host: str, port: int, rank: int, world: int, timeout_s: float, store=None, bind: str = "127.0.0.1"):
+    """The gloo group of `world` ranks whose store listens at host:port (rank 0 holds it); this
+    rank's gloo device on address `bind`, or on the interface `GLOO_SOCKET_IFNAME` names."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     if store is None:
         store = dist.TCPStore(host, port, world, False, timeout)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    options._devices = [dist.ProcessGroupGloo.create_device(interface=interface) if interface
+                        else dist.ProcessGroupGloo.create_device(hostname=bind)]
+    return dist.ProcessGroupGloo(store, rank, world, options)

@@ -1,11 +1,12 @@
-"""The driver's side of a parallel target: `RankGroup` spawns ranks 1..N-1 on this machine and
-runs each step over them; `ParallelRunner` is the target's `ModelRunner` whose forward does so.
+"""The driver's side of a parallel target: `RankGroup` starts ranks 1..N-1 (processes on this
+machine, or Ray actors on a cluster: `launch.py`) and runs each step over them; `ParallelRunner`
+is the target's `ModelRunner` whose forward does so.
 
     group = RankGroup.start(config, model_dir)      # ranks load while the driver loads its part
     group.shard(model)                               # the driver (rank 0) keeps its part
     runner = ParallelRunner(model, cache, vocab, backend, group)   # joins, sizes the ranks' caches
 
-A step: the driver sends its tensors (as host lists) to every rank over a pipe, then runs its own
+A step: the driver sends its tensors (as host lists) to every rank over its control connection, then runs its own
 part; the ranks meet in the all-reduces (tensor) or pass the hidden states on (pipeline). A rank
 that dies, hangs past `timeout_s` or fails ends the group: the step raises `RankFailure` naming
 it, and so does every later one.
@@ -13,7 +14,6 @@ it, and so does every later one.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 import weakref
@@ -23,33 +23,37 @@ from datetime import timedelta
 import torch
 
 from specdec.cache import PagedKVCache
-from specdec.parallel import shard
+from specdec.parallel import launch, shard
 from specdec.parallel.comm import Comm, RankFailure, ShmRegion, process_group, shm_path
-from specdec.parallel.worker import RankSpec, main, step_to_wire
+from specdec.parallel.worker import RankSpec, step_to_wire
 from specdec.target.runner import ModelRunner, Step
 
 LOAD_TIMEOUT_S = 3600.0  # a rank's first load may quantize a large model
 
 
 class RankGroup:
-    """Ranks 1..N-1 of a tensor- or pipeline-parallel target, as local processes."""
+    """Ranks 1..N-1 of a tensor- or pipeline-parallel target: local processes (`ranks="local"`)
+    or Ray actors (`"ray"`)."""
 
-    def __init__(self, spec: RankSpec, store, region: ShmRegion | None) -> None:
-        self.spec, self.store, self.region = spec, store, region
+    def __init__(self, spec: RankSpec, store, region: ShmRegion | None, bind: str) -> None:
+        self.spec, self.store, self.region, self.bind = spec, store, region, bind
         self.mode, self.world = spec.mode, spec.world
         self.comm = Comm(0, spec.world, None, region, spec.timeout_s)
         self.comm.describe_failure = self.describe_failure
-        self.processes: list[multiprocessing.Process] = []
-        self.conns = []
+        self.ranks: list = []  # launch.LocalRank / launch.RayRank, rank i+1 at i
         self.infos: list[dict] = []
         self.failed: str | None = None
         self.threads = spec.threads
-        self._finalizer = weakref.finalize(self, _stop, self.processes, self.conns, spec.shm)
+        self._owned: list = []  # what ends with the group: a Ray listener, a placement group it made
+        self._finalizer = weakref.finalize(self, _stop, self.ranks, spec.shm, self._owned)
 
     @classmethod
     def start(cls, model_dir: str, dtype: str, quant: str, tensor: int, pipeline: int,
-              timeout_s: float = 60.0, threads: int | None = None) -> "RankGroup":
-        """Spawn the ranks; they start loading at once (`shard` and `join` follow on the driver)."""
+              timeout_s: float = 60.0, threads: int | None = None, ranks: str = "local",
+              placement: str = "pack") -> "RankGroup":
+        """Start the ranks; they begin loading at once (`shard` and `join` follow on the driver).
+        `ranks`: "local" (spawned processes) or "ray" (actors in a placement group, `placement`
+        "pack" or "spread" where the group makes its own)."""
         import torch.distributed as dist
 
         if tensor > 1 and pipeline > 1:
@@ -66,21 +70,30 @@ class RankGroup:
         cores = threads or torch.get_num_threads()
         # tensor ranks run at once: the cores split between them; pipeline stages take turns
         per_rank = max(1, cores // world) if mode == "tensor" else cores
-        store = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-        path = shm_path() if mode == "tensor" else None
+        if ranks not in ("local", "ray"):
+            raise ValueError(f"ranks must be 'local' or 'ray', got {ranks!r}")
+        host, local_memory, placed = "127.0.0.1", True, None
+        if ranks == "ray":
+            placed = launch.ray_placement(world, per_rank, placement)
+            host = launch.node_ip()
+            local_memory = launch.all_on_this_node(placed[0], placed[1], world)
+        store = dist.TCPStore(host, 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+        # the all-reduce through memory where every rank is on this machine (SPECDEC_PARALLEL_SHM=0: gloo's)
+        shared = mode == "tensor" and local_memory and os.environ.get("SPECDEC_PARALLEL_SHM", "1") != "0"
+        path = shm_path() if shared else None
         region = ShmRegion(path, world, create=True) if path else None
-        spec = RankSpec(str(model_dir), dtype, quant, mode, world, per_rank, timeout_s, "127.0.0.1", store.port, path)
-        group = cls(spec, store, region)
-        context = multiprocessing.get_context("spawn")
+        spec = RankSpec(str(model_dir), dtype, quant, mode, world, per_rank, timeout_s, host, store.port, path)
+        group = cls(spec, store, region, host)
         try:
-            for rank in range(1, world):
-                parent, child = context.Pipe()
-                process = context.Process(target=main, args=(spec, rank, child), name=f"specdec-rank{rank}",
-                                          daemon=True)
-                process.start()
-                child.close()
-                group.processes.append(process)
-                group.conns.append(parent)
+            if placed is None:
+                group.ranks.extend(launch.spawn_local(spec))
+            else:
+                pg, first, made = placed
+                if made:
+                    group._owned.append(pg)
+                handles, listener = launch.spawn_ray(spec, pg, first, host)
+                group._owned.append(listener)
+                group.ranks.extend(handles)
         except BaseException:
             group.close()
             raise
@@ -97,30 +110,34 @@ class RankGroup:
 
     def join(self) -> None:
         """Wait until every rank loaded its part, then form the gloo group."""
-        self.infos = [self._expect(i, "loaded", LOAD_TIMEOUT_S) for i in range(len(self.conns))]
-        self.comm.pg = process_group("127.0.0.1", self.spec.port, 0, self.world, self.spec.timeout_s, self.store)
+        if (why := launch.wait_connected(self.ranks, LOAD_TIMEOUT_S)) is not None:
+            self._fail(f"{self.mode}-parallel group of {self.world}: {why}")
+        self.infos = [self._expect(i, "loaded", LOAD_TIMEOUT_S) for i in range(len(self.ranks))]
+        self.comm.pg = process_group(self.bind, self.spec.port, 0, self.world, self.spec.timeout_s, self.store,
+                                     bind=self.bind)
         if self.spec.shm:  # every rank has it mapped: the name can go (the memory stays until the last unmaps)
             os.unlink(self.spec.shm)
 
     def build_caches(self, num_blocks: int, block_size: int, kv_dtype: str, backend: str) -> None:
-        for conn in self.conns:
-            conn.send(("cache", num_blocks, block_size, kv_dtype, backend))
-        for i in range(len(self.conns)):
+        for handle in self.ranks:
+            handle.conn.send(("cache", num_blocks, block_size, kv_dtype, backend))
+        for i in range(len(self.ranks)):
             self.infos[i].update(self._expect(i, "ready", LOAD_TIMEOUT_S))
 
     def _expect(self, i: int, what: str, timeout_s: float) -> dict:
-        conn, process = self.conns[i], self.processes[i]
+        handle = self.ranks[i]
+        conn = handle.conn
         deadline = time.monotonic() + timeout_s
         while not conn.poll(0.2):
-            if not process.is_alive():
+            if not handle.alive():
                 break
             if time.monotonic() > deadline:
-                self._fail(f"rank {i + 1} did not report '{what}' within {timeout_s:g} s")
+                self._fail(f"{handle.name} did not report '{what}' within {timeout_s:g} s")
         try:
             message = conn.recv()
         except (EOFError, OSError):
-            process.join(5)
-            self._fail(f"rank {i + 1} (pid {process.pid}) exited with code {process.exitcode} before '{what}'")
+            handle.join(5)
+            self._fail(f"{handle.name} {handle.how_it_ended()} before '{what}'")
         if message[0] == "error":
             self._fail(message[1].strip())
         assert message[0] == what, message
@@ -144,8 +161,8 @@ class RankGroup:
             raise RankFailure(self.failed)
         wire = step_to_wire(step)
         try:
-            for conn in self.conns:
-                conn.send(("step", wire))
+            for handle in self.ranks:
+                handle.conn.send(("step", wire))
         except (BrokenPipeError, OSError) as e:
             self._fail(self.describe_failure(f"a rank could not be sent the step ({e})"))
         try:
@@ -171,13 +188,14 @@ class RankGroup:
     def describe_failure(self, what: str) -> str:
         """`what`, with each rank that is gone and what it reported."""
         parts = [f"{self.mode}-parallel group of {self.world}: {what}"]
-        for i, (process, conn) in enumerate(zip(self.processes, self.conns)):
-            process.join(0.5)  # one the C side saw go may still be exiting
-            if process.is_alive():
+        for handle in self.ranks:
+            handle.join(0.5)  # one the C side saw go may still be exiting
+            if handle.alive():
                 continue
-            note = f"rank {i + 1} (pid {process.pid}) exited with code {process.exitcode}"
+            note = f"{handle.name} {handle.how_it_ended()}"
+            conn = handle.conn
             try:
-                if conn.poll(0.5) and (message := conn.recv())[0] == "error":
+                if conn is not None and conn.poll(0.5) and (message := conn.recv())[0] == "error":
                     note += ": " + message[1].strip().splitlines()[-1]
             except (EOFError, OSError):
                 pass
@@ -197,19 +215,16 @@ class RankGroup:
         self._finalizer()
 
 
-def _stop(processes, conns, shm: str | None) -> None:
-    for conn in conns:
-        try:
-            conn.send(("stop",))
-        except (OSError, ValueError):
-            pass
-    for process in processes:
-        process.join(5)
-        if process.is_alive():
-            process.kill()
-            process.join(5)
-    for conn in conns:
-        conn.close()
+def _stop(ranks, shm: str | None, owned: list) -> None:
+    launch.stop(ranks)
+    for thing in owned:
+        if isinstance(thing, launch._Listener):
+            thing.close()
+        else:  # the placement group the ranks were placed in, made for them
+            import ray
+
+            if ray.is_initialized():
+                ray.util.remove_placement_group(thing)
     if shm and os.path.exists(shm):
         os.unlink(shm)
 

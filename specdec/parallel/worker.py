@@ -54,10 +54,11 @@ def step_from_wire(wire: dict) -> Step:
     return Step(as_tensor(wire["input_ids"]), as_tensor(wire["positions"]), meta, as_tensor(wire["logits_indices"]), [])
 
 
-def main(spec: RankSpec, rank: int, conn) -> None:
+def main(spec: RankSpec, rank: int, conn, bind: str) -> None:
+    """Be rank `rank` (its gloo device on address `bind`) until told to stop."""
     try:
-        Rank(spec, rank, conn).serve()
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):  # the driver is gone: nothing to tell
+        Rank(spec, rank, conn, bind).serve()
+    except (EOFError, BrokenPipeError, KeyboardInterrupt, SystemExit):  # the driver is gone, or Ray ends us
         os._exit(0)
     except BaseException:
         try:
@@ -70,13 +71,13 @@ def main(spec: RankSpec, rank: int, conn) -> None:
 
 
 class Rank:
-    def __init__(self, spec: RankSpec, rank: int, conn) -> None:
+    def __init__(self, spec: RankSpec, rank: int, conn, bind: str) -> None:
         from specdec.parallel import shard
         from specdec.parallel.comm import Comm, ShmRegion
         from specdec.target.model_weights import load_model, parse_dtype
 
         torch.set_num_threads(spec.threads)
-        self.spec, self.rank, self.conn = spec, rank, conn
+        self.spec, self.rank, self.conn, self.bind = spec, rank, conn, bind
         region = ShmRegion(spec.shm, spec.world) if spec.shm else None
         self.comm = Comm(rank, spec.world, None, region, spec.timeout_s)
         model = load_model(spec.model_dir, parse_dtype(spec.dtype), "cpu", spec.quant)
@@ -88,7 +89,7 @@ class Rank:
         self.model = model
         weights = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.parameters()}.values())
         weights += sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in model.buffers()}.values())
-        conn.send(("loaded", {"weights": weights, "layers": layers, "pid": os.getpid()}))
+        conn.send(("loaded", {"weights": weights, "layers": layers, "pid": os.getpid(), "address": bind}))
 
     def serve(self) -> None:
         from specdec.cache import PagedKVCache
@@ -96,7 +97,7 @@ class Rank:
         from specdec.target.runner import ModelRunner
 
         spec = self.spec
-        self.comm.pg = process_group(spec.host, spec.port, self.rank, spec.world, spec.timeout_s)
+        self.comm.pg = process_group(spec.host, spec.port, self.rank, spec.world, spec.timeout_s, bind=self.bind)
         what, num_blocks, block_size, kv_dtype, backend = self.conn.recv()
         assert what == "cache", what
         dtype = torch.float8_e4m3fn if kv_dtype == "fp8" else None

@@ -8,8 +8,8 @@ import torch
 
 from specdec import Engine, EngineConfig, SamplingParams
 from specdec.target.quant import decoder_stack
-from specdec.testing import tiny_hf_model, tiny_tokenizer
-from tests.parallel.test_parallel import PROMPTS, prompt_logits
+
+from .conftest import PROMPTS, prompt_logits, save_pair
 
 pytestmark = pytest.mark.skipif(decoder_stack.kernel().unavailable_reason() is not None,
                                 reason="the C layer loop is unavailable here")
@@ -17,21 +17,8 @@ pytestmark = pytest.mark.skipif(decoder_stack.kernel().unavailable_reason() is n
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parallel-c")
-    tokenizer = tiny_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    paths = []
-    for name, layers, seed in (("target", 2, 3), ("draft", 1, 4)):
-        model = tiny_hf_model("qwen2", seed, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None,
-                              num_hidden_layers=layers, hidden_size=256, intermediate_size=512,
-                              num_attention_heads=4, num_key_value_heads=2)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(0.25)  # keep bf16 activations tame over the layers
-        model.save_pretrained(root / name, safe_serialization=True)
-        tokenizer.save_pretrained(root / name)
-        paths.append(str(root / name))
-    return paths
+    return save_pair(tmp_path_factory.mktemp("parallel-c"), (2, 3), (1, 4), scale=0.25,  # bf16 activations tame
+                     hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 
 
 def engine(pair, **kw) -> Engine:

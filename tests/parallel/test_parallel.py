@@ -9,62 +9,13 @@ import signal
 import time
 
 import pytest
-import torch
 
-from specdec import Engine, EngineConfig, SamplingParams
+from specdec import Engine, EngineConfig
 from specdec.engine import StepError
 from specdec.parallel.comm import RankFailure
 from specdec.parallel.shard import ParallelConfigError, split
-from specdec.target.runner import Window
-from specdec.testing import tiny_hf_model, tiny_tokenizer
 
-PROMPTS = ["def quicksort(xs):\n    if len(xs) <= 1:", "hello world, this is a test", "x = [1, 2, 3]\nprint(x"]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A tiny fp32 target (4 query heads, 2 KV heads, 4 layers) and draft, as HF folders."""
-    root = tmp_path_factory.mktemp("parallel")
-    tokenizer = tiny_tokenizer()
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    paths = []
-    for name, layers, seed in (("target", 4, 0), ("draft", 1, 1)):
-        model = tiny_hf_model("qwen2", seed, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None,
-                              num_hidden_layers=layers)
-        model.save_pretrained(root / name, safe_serialization=True)
-        tokenizer.save_pretrained(root / name)
-        paths.append(str(root / name))
-    return paths
-
-
-def engine(pair, **kw) -> Engine:
-    target, draft = pair
-    kw.setdefault("dtype", "float32")
-    return Engine(EngineConfig(target=target, draft=draft, num_blocks=64, **kw))
-
-
-def prompt_logits(e: Engine, ids: list[int], chunks: int = 1) -> torch.Tensor:
-    """The target's logits at every position of `ids`, fed in `chunks` windows; the blocks freed."""
-    runner = e.target
-    table = runner.new_table()
-    assert table.ensure_slots(len(ids))
-    bounds = [len(ids) * i // chunks for i in range(chunks + 1)]
-    out = [runner.forward([Window(table, ids[a:b], num_logits=b - a)]) for a, b in zip(bounds, bounds[1:])]
-    table.free()
-    return torch.cat(out)
-
-
-GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def reference(pair):
-    e = engine(pair)
-    ids = e.encode(PROMPTS[0])
-    out = {"logits": prompt_logits(e, ids), "tokens": [o.token_ids for o in e.generate(PROMPTS, GREEDY)], "ids": ids}
-    e.close()
-    return out
-
+from .conftest import GREEDY, PROMPTS, engine, prompt_logits
 
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 def test_two_ranks_match_one_process(pair, reference, layout):
@@ -79,7 +30,7 @@ def test_two_ranks_match_one_process(pair, reference, layout):
         assert e.target.pool.num_used == 0
     finally:
         e.close()
-    assert all(not p.is_alive() for p in e.target.group.processes)
+    assert all(not r.alive() for r in e.target.group.ranks)
 
 
 def test_chunked_prefill_beside_decoding_streams(pair, reference):
@@ -128,7 +79,7 @@ def _fails_fast(e: Engine, timeout_s: float, match: str) -> None:
 def test_a_killed_rank_is_a_clear_error(pair, layout):
     e = engine(pair, parallel_timeout_s=20, **layout)
     try:
-        os.kill(e.target.group.processes[0].pid, signal.SIGKILL)
+        os.kill(e.target.group.rank_memory()[0]["pid"], signal.SIGKILL)
         _fails_fast(e, 20, "rank 1")
     finally:
         e.close()
@@ -136,14 +87,14 @@ def test_a_killed_rank_is_a_clear_error(pair, layout):
 
 def test_a_hung_rank_times_out(pair):
     e = engine(pair, tensor_parallel_size=2, parallel_timeout_s=3)
-    pid = e.target.group.processes[0].pid
+    pid = e.target.group.rank_memory()[0]["pid"]
     try:
         os.kill(pid, signal.SIGSTOP)
         _fails_fast(e, 3, "did not answer within 3 s")
     finally:
         os.kill(pid, signal.SIGCONT)
         e.close()
-    assert not e.target.group.processes[0].is_alive()
+    assert not e.target.group.ranks[0].alive()
 
 
 def test_configurations_that_do_not_split(pair):
