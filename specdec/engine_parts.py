@@ -74,7 +74,7 @@ def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:
     tokenizer = load_tokenizer(target_dir)
     group = start_rank_group(config, target_dir)  # None: one process; else its ranks load meanwhile
     try:
-        target = load_model(target_dir, dtype, device, config.target_quant)
+        target = load_model(target_dir, dtype, device, config.target_quant, None if group is None else group.load_part())
         if group is not None:
             group.shard(target)
             target.rank_group = group  # build_runners gives the target a ParallelRunner over it

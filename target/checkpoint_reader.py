@@ -290,3 +290,10 @@ def _candidates(name: str) -> list[str]:
 def is_image_part(name: str) -> bool:
     """A tensor of a multimodal checkpoint's image side, which the text model does not load."""
     return name.startswith(_IMAGE_PARTS)
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a parameter's name is under (`model.layers.<i>.`), or None."""
+    if not name.startswith("model.layers."):
+        return None
+    return int(name.split(".", 3)[2])

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from specdec.target.checkpoint_reader import CheckpointReader, open_checkpoint, param_sources
+from specdec.target.checkpoint_reader import CheckpointReader, layer_index, open_checkpoint, param_sources
 from specdec.target.config import ModelConfig
 from specdec.target.gguf_embedding import GGUFEmbedding
 from specdec.target.model import LlamaForCausalLM
@@ -43,13 +43,17 @@ def stream_quantized(
     model_dir: Path, config: ModelConfig, mode: str, dtype: torch.dtype,
     calibration_ids: Callable[[], list[int]], progress: bool = True,
     stats: dict[str, torch.Tensor] | None = None, keep_stats: dict[str, torch.Tensor] | None = None,
+    part=None,
 ) -> tuple[LlamaForCausalLM, dict[str, float]]:
     """The model of `model_dir` with its linears in `mode`'s format and the rest in `dtype`, and
     the seconds spent per phase (`read`: read and dequantize, `quantize`, `calibrate`: the float
     forward of a smoothing mode, without the reading and converting done inside it).
 
     A smoothing mode takes the input maxima `stats` when given (shipped ones: `shipped_stats`)
-    instead of calibrating; `keep_stats` receives those a calibration measured."""
+    instead of calibrating; `keep_stats` receives those a calibration measured.
+
+    `part` (`model_weights.LoadPart`, a mode without smoothing): layers outside `part.layers`
+    are left unread (on the meta device), and `part.cut` applied to each layer once converted."""
     if mode not in MODES:
         raise ValueError(f"quantization must be one of {sorted(MODES)}, got {mode!r}")
     quant = MODES[mode]
@@ -60,8 +64,10 @@ def stream_quantized(
     model.rotary = type(model.rotary)(config.hf_config, config.head_dim, model.max_positions)
     model.eval()
     untie_lm_head(model)  # on meta: the head is read from the file like any other tensor
+    if part is not None and quant.smooth:
+        raise ValueError("a part of a model is loaded only in a mode without smoothing")
     with open_checkpoint(model_dir) as reader:
-        layers = _LayerLoader(model, reader, mode, dtype)
+        layers = _LayerLoader(model, reader, mode, dtype, part)
         what = "reading the GGUF's blocks as stored" if quant.file_blocks else f"quantizing to {mode} (once; cached)"
         bar = tqdm(total=config.num_layers + 1, desc=what, unit="layer",
                    leave=False, disable=not progress)
@@ -80,8 +86,9 @@ def stream_quantized(
 class _LayerLoader:
     """Reads, converts and casts the parts of one model (`fill`, `convert`), timing each phase."""
 
-    def __init__(self, model: LlamaForCausalLM, reader: CheckpointReader, mode: str, dtype: torch.dtype) -> None:
-        self.model, self.reader, self.mode, self.dtype = model, reader, mode, dtype
+    def __init__(self, model: LlamaForCausalLM, reader: CheckpointReader, mode: str, dtype: torch.dtype,
+                 part=None) -> None:
+        self.model, self.reader, self.mode, self.dtype, self.part = model, reader, mode, dtype, part
         self.sources = param_sources(reader, [n for n, _ in model.named_parameters()], model.config)
         self.seconds = {"read": 0.0, "quantize": 0.0, "calibrate": 0.0}
 
@@ -136,10 +143,15 @@ class _LayerLoader:
 
     def convert_in_order(self, bar: tqdm) -> None:
         """Without calibration: every part in turn."""
-        for prefix in ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(len(self.model.model.layers))]:
-            self.fill(prefix)
-            self.convert(prefix)
-            bar.update(prefix != "model.embed_tokens")
+        self.fill("model.embed_tokens")
+        self.convert("model.embed_tokens")
+        for i, layer in enumerate(self.model.model.layers):
+            if self.part is None or self.part.keeps(i):
+                self.fill(f"model.layers.{i}")
+                self.convert(f"model.layers.{i}")
+                if self.part is not None and self.part.cut is not None:
+                    self.part.cut(i, layer)
+            bar.update()
         self._convert_head()
         bar.update()
 
@@ -203,7 +215,8 @@ class _LayerLoader:
         self.fill("lm_head")
         self.convert("lm_head")
         self.convert("model.norm")
-        for name in [n for n, p in self.model.named_parameters() if p.is_meta]:
+        skipped = lambda n: self.part is not None and (i := layer_index(n)) is not None and not self.part.keeps(i)  # noqa: E731
+        for name in [n for n, p in self.model.named_parameters() if p.is_meta and not skipped(n)]:
             module = name.rpartition(".")[0]
             self.fill(module)
             self.convert(module)

@@ -3,7 +3,8 @@ machine, or Ray actors on a cluster: `launch.py`) and runs each step over them; 
 is the target's `ModelRunner` whose forward does so.
 
     group = RankGroup.start(config, model_dir)      # ranks load while the driver loads its part
-    group.shard(model)                               # the driver (rank 0) keeps its part
+    model = load_model(..., part=group.load_part())  # the driver (rank 0) reads its part only
+    group.shard(model)                               # and finishes it (the LM head's vocabulary)
     runner = ParallelRunner(model, cache, vocab, backend, group)   # joins, sizes the ranks' caches
 
 A step: the driver sends its tensors (as host lists) to every rank over its control connection, then runs its own
@@ -84,6 +85,7 @@ class RankGroup:
         region = ShmRegion(path, world, create=True) if path else None
         spec = RankSpec(str(model_dir), dtype, quant, mode, world, per_rank, timeout_s, host, store.port, path)
         group = cls(spec, store, region, host)
+        group.config = config
         try:
             if placed is None:
                 group.ranks.extend(launch.spawn_local(spec))
@@ -100,6 +102,11 @@ class RankGroup:
         return group
 
     # ---- set-up --------------------------------------------------------------------------------
+
+    def load_part(self):
+        """What the driver (rank 0) loads of the target (`model_weights.LoadPart`); `shard` then
+        finishes its part."""
+        return shard.load_part(self.mode, self.config, 0, self.world, self.comm)
 
     def shard(self, model) -> None:
         """Keep rank 0's part of `model` (the driver's)."""

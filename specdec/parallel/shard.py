@@ -18,8 +18,11 @@ from torch.nn import functional as F
 
 from specdec.target.config import ModelConfig
 from specdec.target.model import LlamaForCausalLM
+from specdec.target.model_weights import LoadPart
 from specdec.target.moe import SparseMoE
-from specdec.target.quant.qlinear import QLinear, input_step, pack_tiles, take_inputs, take_output_tiles
+from specdec.target.quant.qlinear import (
+    QLinear, input_step, pack_tiles, release_freed_memory, take_inputs, take_output_tiles,
+)
 
 
 class ParallelConfigError(ValueError):
@@ -92,43 +95,25 @@ def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
         raise ParallelConfigError(f"tensor parallelism over {world} ranks: {why}")
 
 
+def load_part(mode: str, cfg: ModelConfig, rank: int, world: int, group) -> LoadPart:
+    """What rank `rank` loads of a model of config `cfg` (`LoadPart`): a pipeline stage its
+    layers only, a tensor-parallel rank every layer cut as it is read; never the whole model."""
+    if mode == "pipeline":
+        return LoadPart(layers=range(*split(cfg.num_layers, rank, world)))
+    check_tensor_parallel(cfg, world)
+    return LoadPart(cut=lambda i, layer: cut_layer(layer, cfg, rank, world, group))
+
+
 def tensor_parallel(model: LlamaForCausalLM, rank: int, world: int, group) -> None:
-    """Keep rank `rank`'s part of every layer and of the LM head's vocabulary (`VocabParallelHead`);
-    `group` carries the all-reduces."""
+    """Keep rank `rank`'s part of every layer (those not cut while loading: `load_part`) and of
+    the LM head's vocabulary (`VocabParallelHead`); `group` carries the all-reduces."""
     if any(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers):
         raise ParallelConfigError("tensor parallelism: mixture-of-experts layers are not split yet")
-    check_tensor_parallel(model.config, world)
     cfg = model.config
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    hq_local = hq // world
-    if hkv % world == 0:  # KV heads split with their query heads
-        kv_heads = list(range(rank * hkv // world, (rank + 1) * hkv // world))
-    else:  # fewer KV heads than ranks: each rank keeps the one its query heads read (replicated)
-        kv_heads = [rank * hq_local // (hq // hkv)]
-    q = (rank * hq_local * d, (rank + 1) * hq_local * d)
-    qkv_rows = [q] + [(hq * d + j * d, hq * d + (j + 1) * d) for j in kv_heads]
-    qkv_rows += [((hq + hkv) * d + j * d, (hq + hkv) * d + (j + 1) * d) for j in kv_heads]
+    check_tensor_parallel(cfg, world)
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.qkv_proj is not None:
-            attn.qkv_proj = _rows(attn.qkv_proj, qkv_rows)
-        else:
-            attn.q_proj = _rows(attn.q_proj, [q])
-            attn.k_proj = _rows(attn.k_proj, [(j * d, (j + 1) * d) for j in kv_heads])
-            attn.v_proj = _rows(attn.v_proj, [(j * d, (j + 1) * d) for j in kv_heads])
-        attn.o_proj = RowParallelLinear(_inputs(attn.o_proj, *q, bias=rank == 0), group)
-        attn.num_heads, attn.num_kv_heads = hq_local, len(kv_heads)
-        width = mlp.down_proj.in_features
-        unit = math.lcm(_input_unit(mlp.down_proj),
-                        _row_unit(mlp.gate_up_proj if mlp.gate_up_proj is not None else mlp.gate_proj))
-        if width % unit:
-            raise ParallelConfigError(f"the MLP's width {width} is not made of blocks of {unit}")
-        a, b = (unit * x for x in split(width // unit, rank, world))
-        if mlp.gate_up_proj is not None:
-            mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(a, b), (width + a, width + b)])
-        else:
-            mlp.gate_proj, mlp.up_proj = _rows(mlp.gate_proj, [(a, b)]), _rows(mlp.up_proj, [(a, b)])
-        mlp.down_proj = RowParallelLinear(_inputs(mlp.down_proj, a, b, bias=rank == 0), group)
+        cut_layer(layer, cfg, rank, world, group)
+    hq_local, kv_heads = _heads(cfg, rank, world)
     model.config = dataclasses.replace(cfg, num_heads=hq_local, num_kv_heads=len(kv_heads))
     vocab = model.lm_head.out_features
     a, b = (x * _row_unit(model.lm_head) for x in split(vocab // _row_unit(model.lm_head), rank, world))
@@ -138,16 +123,58 @@ def tensor_parallel(model: LlamaForCausalLM, rank: int, world: int, group) -> No
     _finish(model)
 
 
+def _heads(cfg: ModelConfig, rank: int, world: int) -> tuple[int, list[int]]:
+    """Rank `rank`'s number of query heads and its KV heads."""
+    hq, hkv = cfg.num_heads, cfg.num_kv_heads
+    hq_local = hq // world
+    if hkv % world == 0:  # KV heads split with their query heads
+        return hq_local, list(range(rank * hkv // world, (rank + 1) * hkv // world))
+    return hq_local, [rank * hq_local // (hq // hkv)]  # fewer KV heads than ranks: the one its queries read
+
+
+def cut_layer(layer: nn.Module, cfg: ModelConfig, rank: int, world: int, group) -> None:
+    """Keep rank `rank`'s part of one decoder layer of a model of config `cfg` (the whole
+    model's), in place; a layer already cut is left as it is."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if isinstance(attn.o_proj, RowParallelLinear):
+        return
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    hq_local, kv_heads = _heads(cfg, rank, world)
+    q = (rank * hq_local * d, (rank + 1) * hq_local * d)
+    qkv_rows = [q] + [(hq * d + j * d, hq * d + (j + 1) * d) for j in kv_heads]
+    qkv_rows += [((hq + hkv) * d + j * d, (hq + hkv) * d + (j + 1) * d) for j in kv_heads]
+    if attn.qkv_proj is not None:
+        attn.qkv_proj = _rows(attn.qkv_proj, qkv_rows)
+    else:
+        attn.q_proj = _rows(attn.q_proj, [q])
+        attn.k_proj = _rows(attn.k_proj, [(j * d, (j + 1) * d) for j in kv_heads])
+        attn.v_proj = _rows(attn.v_proj, [(j * d, (j + 1) * d) for j in kv_heads])
+    attn.o_proj = RowParallelLinear(_inputs(attn.o_proj, *q, bias=rank == 0), group)
+    attn.num_heads, attn.num_kv_heads = hq_local, len(kv_heads)
+    width = mlp.down_proj.in_features
+    unit = math.lcm(_input_unit(mlp.down_proj),
+                    _row_unit(mlp.gate_up_proj if mlp.gate_up_proj is not None else mlp.gate_proj))
+    if width % unit:
+        raise ParallelConfigError(f"the MLP's width {width} is not made of blocks of {unit}")
+    a, b = (unit * x for x in split(width // unit, rank, world))
+    if mlp.gate_up_proj is not None:
+        mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(a, b), (width + a, width + b)])
+    else:
+        mlp.gate_proj, mlp.up_proj = _rows(mlp.gate_proj, [(a, b)]), _rows(mlp.up_proj, [(a, b)])
+    mlp.down_proj = RowParallelLinear(_inputs(mlp.down_proj, a, b, bias=rank == 0), group)
+
+
 def pipeline_stage(model: LlamaForCausalLM, stage: int, stages: int) -> tuple[int, int]:
     """Keep stage `stage`'s layers (as even a split as whole layers go); the embedding stays on
     the first stage, the final norm and LM head on the first too (the driver: the last stage
     sends its hidden rows back). Returns the stage's layer range."""
-    layers = model.model.layers
-    if len(layers) < stages:
-        raise ParallelConfigError(f"{len(layers)} layers cannot fill {stages} pipeline stages")
-    a, b = split(len(layers), stage, stages)
-    model.model.layers = nn.ModuleList(list(layers)[a:b])
-    model.layer_offset = a
+    layers, total = model.model.layers, model.config.num_layers
+    if total < stages:
+        raise ParallelConfigError(f"{total} layers cannot fill {stages} pipeline stages")
+    a, b = split(total, stage, stages)
+    if (model.layer_offset, len(layers)) != (a, b - a):  # not loaded as the stage's part already
+        model.model.layers = nn.ModuleList(list(layers)[a:b])
+        model.layer_offset = a
     if stage != 0:
         model.lm_head = None
         model.model.embed_tokens = None
@@ -158,8 +185,6 @@ def pipeline_stage(model: LlamaForCausalLM, stage: int, stages: int) -> tuple[in
 def _finish(model: LlamaForCausalLM) -> None:
     """The kept tiles end to end in one arena (what the loader does), the rest freed."""
     pack_tiles([m for m in model.modules() if isinstance(m, QLinear)])
-    from specdec.target.model_weights import release_freed_memory
-
     release_freed_memory()
 
 

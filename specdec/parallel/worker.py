@@ -74,13 +74,14 @@ class Rank:
     def __init__(self, spec: RankSpec, rank: int, conn, bind: str) -> None:
         from specdec.parallel import shard
         from specdec.parallel.comm import Comm, ShmRegion
-        from specdec.target.model_weights import load_model, parse_dtype
+        from specdec.target.model_weights import load_config, load_model, parse_dtype
 
         torch.set_num_threads(spec.threads)
         self.spec, self.rank, self.conn, self.bind = spec, rank, conn, bind
         region = ShmRegion(spec.shm, spec.world) if spec.shm else None
         self.comm = Comm(rank, spec.world, None, region, spec.timeout_s)
-        model = load_model(spec.model_dir, parse_dtype(spec.dtype), "cpu", spec.quant)
+        part = shard.load_part(spec.mode, load_config(spec.model_dir), rank, spec.world, self.comm)
+        model = load_model(spec.model_dir, parse_dtype(spec.dtype), "cpu", spec.quant, part)
         if spec.mode == "tensor":
             shard.tensor_parallel(model, rank, spec.world, self.comm)
             layers = (0, len(model.model.layers))

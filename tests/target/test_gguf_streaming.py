@@ -44,8 +44,9 @@ def _k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.n
     return blocks.reshape(rows, -1)
 
 
-def _write_qwen2_gguf(path, tokenizer, tie: bool, k_quants_only: bool = False) -> None:
-    """`k_quants_only`: the Q8_0 / Q5_0 / F16 matrices written as Q4_K instead."""
+def _write_qwen2_gguf(path, tokenizer, tie: bool, k_quants_only: bool = False, head: str = "F16") -> None:
+    """`k_quants_only`: the Q8_0 / Q5_0 / F16 matrices written as Q4_K instead; `head`: the
+    untied LM head's type."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -94,7 +95,7 @@ def _write_qwen2_gguf(path, tokenizer, tie: bool, k_quants_only: bool = False) -
         add(f"blk.{i}.ffn_down.weight", "Q6_K", HIDDEN, FFN)
     add("output_norm.weight", "F32", HIDDEN)
     if not tie:
-        add("output.weight", "F16", vocab, HIDDEN)
+        add("output.weight", head, vocab, HIDDEN)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
