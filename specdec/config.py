@@ -83,13 +83,17 @@ class EngineConfig:
     # The target split over processes (`specdec.parallel`; the draft stays whole on the driver):
     # tensor parallel (each rank its heads and its share of the MLP, an all-reduce after o_proj
     # and after down_proj) or pipeline parallel (each stage a range of layers), not both. The CPU
-    # only. `parallel_ranks`: "local" spawns the ranks on this machine; "ray" places them as Ray
+    # only. `tensor_parallel_exact`: o_proj and down_proj split by output rows with their inputs
+    # gathered, so that every value is one process's (the same tokens; ~7x the bytes on the wire
+    # a layer), else by input columns with the ranks' partial sums added (fewer bytes, not
+    # bitwise). `parallel_ranks`: "local" spawns the ranks on this machine; "ray" places them as Ray
     # actors (the cluster at RAY_ADDRESS, or the placement group of the Serve replica this runs
     # in), `parallel_placement` "pack" (one machine where they fit) or "spread". A rank that dies
     # or does not answer within `parallel_timeout_s` ends the engine (`RankFailure`).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     parallel_timeout_s: float = 60.0
+    tensor_parallel_exact: bool = True
     parallel_ranks: str = "local"
     parallel_placement: str = "pack"
 

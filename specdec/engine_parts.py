@@ -107,7 +107,7 @@ def start_rank_group(config: EngineConfig, target_dir):
 
     return RankGroup.start(target_dir, config.dtype, config.target_quant, config.tensor_parallel_size,
                            config.pipeline_parallel_size, config.parallel_timeout_s, ranks=config.parallel_ranks,
-                           placement=config.parallel_placement)
+                           placement=config.parallel_placement, exact=config.tensor_parallel_exact)
 
 
 def restrict_draft_vocab(draft, tokenizer, size: int | str, stop_ids: list[int], log=None) -> None:

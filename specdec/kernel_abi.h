@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 6
+#define SPECDEC_ABI_VERSION 7
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_SUPER 256         /* qgemm: inputs per k-quant super-block */
@@ -78,13 +78,19 @@ struct specdec_attention {
 };
 
 /* A tensor-parallel group on one machine (see group_allreduce): the shared region, this rank, and
- * this rank's count of all-reduce calls (advanced by each). */
+ * this rank's count of all-reduce calls (advanced by each). With out_full > 0 the rank's layers
+ * are split exactly (decoder.c column_parallel: o_proj and down_proj cut by output rows, their
+ * inputs gathered): its columns of the attention output (att_start, att_width of att_full), of
+ * gate and of up (ffn_*: up's at ffn_full + ffn_start) and of the hidden state (out_*). */
 struct specdec_group {
     uint8_t *region;
     int64_t rank, world;
     int64_t slot_bytes;  /* each rank's slot: a multiple of 64 */
     int64_t *calls;
     int64_t timeout_ms;  /* SPECDEC_ERR_TIMEOUT after waiting this long for one rank */
+    int64_t att_start, att_width, att_full;
+    int64_t ffn_start, ffn_width, ffn_full;
+    int64_t out_start, out_width, out_full;
 };
 
 /* One row of kernel_abi.c's layout table: a field's offset and size, or with an empty `field`

@@ -14,7 +14,7 @@ import enum
 
 import torch
 
-ABI_VERSION = 6  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 7  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 SUPER = 256  # SPECDEC_SUPER: inputs per k-quant super-block
@@ -126,7 +126,8 @@ class Group(ctypes.Structure):
 
     c_name = "specdec_group"
     _fields_ = [("region", _P), ("rank", _I64), ("world", _I64), ("slot_bytes", _I64), ("calls", _P),
-                ("timeout_ms", _I64)]
+                ("timeout_ms", _I64)] + [(f"{part}_{what}", _I64) for part in ("att", "ffn", "out")
+                                          for what in ("start", "width", "full")]
 
 
 class AbiEntry(ctypes.Structure):

@@ -81,6 +81,19 @@ class Comm:
         self.num_all_reduces = 0
         self.all_reduce_bytes = 0
 
+    def set_columns(self, att: tuple[int, int, int], ffn: tuple[int, int, int], out: tuple[int, int, int]) -> None:
+        """This rank's (start, width, full) columns of the attention output, of gate (and up),
+        and of the hidden state, where the layers are split exactly (`shard.ColumnParallelLinear`):
+        what the C layer loop gathers."""
+        for name, values in (("att", att), ("ffn", ffn), ("out", out)):
+            for what, value in zip(("start", "width", "full"), values):
+                setattr(self.descriptor, f"{name}_{what}", value)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the layers are split exactly (`set_columns`)."""
+        return self.descriptor.out_full > 0
+
     @property
     def group(self) -> kernel_abi.Group | None:
         """The descriptor `decoder_layers` takes (None: its all-reduce is not on this machine)."""

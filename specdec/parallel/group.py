@@ -51,10 +51,11 @@ class RankGroup:
     @classmethod
     def start(cls, model_dir: str, dtype: str, quant: str, tensor: int, pipeline: int,
               timeout_s: float = 60.0, threads: int | None = None, ranks: str = "local",
-              placement: str = "pack") -> "RankGroup":
+              placement: str = "pack", exact: bool = True) -> "RankGroup":
         """Start the ranks; they begin loading at once (`shard` and `join` follow on the driver).
         `ranks`: "local" (spawned processes) or "ray" (actors in a placement group, `placement`
-        "pack" or "spread" where the group makes its own)."""
+        "pack" or "spread" where the group makes its own). `exact`: tensor parallel split so
+        that every value is one process's (`shard.tensor_parallel`)."""
         import torch.distributed as dist
 
         if tensor > 1 and pipeline > 1:
@@ -83,7 +84,7 @@ class RankGroup:
         shared = mode == "tensor" and local_memory and os.environ.get("SPECDEC_PARALLEL_SHM", "1") != "0"
         path = shm_path() if shared else None
         region = ShmRegion(path, world, create=True) if path else None
-        spec = RankSpec(str(model_dir), dtype, quant, mode, world, per_rank, timeout_s, host, store.port, path)
+        spec = RankSpec(str(model_dir), dtype, quant, mode, world, per_rank, timeout_s, host, store.port, path, exact)
         group = cls(spec, store, region, host)
         group.config = config
         try:
@@ -106,12 +107,12 @@ class RankGroup:
     def load_part(self):
         """What the driver (rank 0) loads of the target (`model_weights.LoadPart`); `shard` then
         finishes its part."""
-        return shard.load_part(self.mode, self.config, 0, self.world, self.comm)
+        return shard.load_part(self.mode, self.config, 0, self.world, self.comm, self.spec.exact)
 
     def shard(self, model) -> None:
         """Keep rank 0's part of `model` (the driver's)."""
         if self.mode == "tensor":
-            shard.tensor_parallel(model, 0, self.world, self.comm)
+            shard.tensor_parallel(model, 0, self.world, self.comm, self.spec.exact)
         else:
             shard.pipeline_stage(model, 0, self.world)
 
@@ -196,7 +197,7 @@ class RankGroup:
         """`what`, with each rank that is gone and what it reported."""
         parts = [f"{self.mode}-parallel group of {self.world}: {what}"]
         for handle in self.ranks:
-            handle.join(0.5)  # one the C side saw go may still be exiting
+            handle.join(handle.settle_s)  # one the C side saw go may still be exiting
             if handle.alive():
                 continue
             note = f"{handle.name} {handle.how_it_ended()}"

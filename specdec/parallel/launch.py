@@ -28,6 +28,8 @@ PLACEMENTS = ("pack", "spread")
 class LocalRank:
     """Rank `rank` as a spawned process on this machine, its control channel a pipe."""
 
+    settle_s = 0.5  # how long a process that just ended may take to be seen ended
+
     def __init__(self, spec: RankSpec, rank: int) -> None:
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
@@ -59,6 +61,7 @@ class LocalRank:
 class RayRank:
     """Rank `rank` as a Ray actor; it connects back to the driver's listener (`_Listener`)."""
 
+    settle_s = 3.0  # Ray learns of an actor's death from its node: later than a parent of its child
     def __init__(self, actor, ref, listener: "_Listener", rank: int) -> None:
         self.actor, self.ref, self.listener, self.rank = actor, ref, listener, rank
         self.name = f"rank {rank} (Ray actor {actor._actor_id.hex()[:12]})"

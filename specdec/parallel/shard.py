@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from specdec.target.config import ModelConfig
+from specdec.target.layers import plus_linear
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.model_weights import LoadPart
 from specdec.target.moe import SparseMoE
@@ -51,6 +52,38 @@ class RowParallelLinear(nn.Module):
             part = self.local(x).float()
         part = self.group.all_reduce_(part.contiguous().view(-1)).view(part.shape).to(x.dtype)
         return part if residual is None else residual + part
+
+
+def gather_columns(group, x: torch.Tensor, start: int, full: int, halves: int = 1) -> torch.Tensor:
+    """Every rank's columns of `x [..., width]` gathered, in x's dtype: this rank's at `start`..
+    (with `halves` 2, its first half at start.., its second at full + start..), summed over the
+    group in fp32 with -0.0 in the columns others hold (x + -0.0 is x: exact, as decoder.c's)."""
+    rows, width = x.shape[:-1], x.shape[-1]
+    buf = torch.full((*rows, halves * full), -0.0, dtype=torch.float32)
+    part = width // halves
+    for h in range(halves):
+        buf[..., h * full + start : h * full + start + part] = x[..., h * part : (h + 1) * part]
+    return group.all_reduce_(buf.view(-1)).view(buf.shape).to(x.dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """o_proj or down_proj split exactly: this rank's output rows over all inputs (`local`). The
+    input's columns are gathered from every rank (this rank's at `inputs` = (start, full), of
+    gate and of up each with `glu`), and the outputs into the whole hidden state: each value is
+    computed by one rank as one process computes it."""
+
+    fuses_epilogue = True
+
+    def __init__(self, local: nn.Module, group, inputs: tuple[int, int], outputs: tuple[int, int, int]) -> None:
+        super().__init__()
+        self.local, self.group, self.inputs, self.outputs = local, group, inputs, outputs
+        self.in_features, self.out_features = local.in_features, outputs[2]
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+        start, width, full = self.outputs
+        x = gather_columns(self.group, x, *self.inputs, halves=2 if glu else 1)
+        res = None if residual is None else residual[..., start : start + width].contiguous()
+        return gather_columns(self.group, plus_linear(res, self.local, x, glu), start, full)
 
 
 class VocabParallelHead(nn.Module):
@@ -95,24 +128,27 @@ def check_tensor_parallel(cfg: ModelConfig, world: int) -> None:
         raise ParallelConfigError(f"tensor parallelism over {world} ranks: {why}")
 
 
-def load_part(mode: str, cfg: ModelConfig, rank: int, world: int, group) -> LoadPart:
+def load_part(mode: str, cfg: ModelConfig, rank: int, world: int, group, exact: bool = True) -> LoadPart:
     """What rank `rank` loads of a model of config `cfg` (`LoadPart`): a pipeline stage its
     layers only, a tensor-parallel rank every layer cut as it is read; never the whole model."""
     if mode == "pipeline":
         return LoadPart(layers=range(*split(cfg.num_layers, rank, world)))
     check_tensor_parallel(cfg, world)
-    return LoadPart(cut=lambda i, layer: cut_layer(layer, cfg, rank, world, group))
+    return LoadPart(cut=lambda i, layer: cut_layer(layer, cfg, rank, world, group, exact))
 
 
-def tensor_parallel(model: LlamaForCausalLM, rank: int, world: int, group) -> None:
+def tensor_parallel(model: LlamaForCausalLM, rank: int, world: int, group, exact: bool = True) -> None:
     """Keep rank `rank`'s part of every layer (those not cut while loading: `load_part`) and of
-    the LM head's vocabulary (`VocabParallelHead`); `group` carries the all-reduces."""
+    the LM head's vocabulary (`VocabParallelHead`); `group` carries the all-reduces. `exact`:
+    o_proj and down_proj by output rows with gathered inputs (`ColumnParallelLinear`: one
+    process's bits), else by input columns with their partial sums added (`RowParallelLinear`:
+    less on the wire)."""
     if any(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers):
         raise ParallelConfigError("tensor parallelism: mixture-of-experts layers are not split yet")
     cfg = model.config
     check_tensor_parallel(cfg, world)
     for layer in model.model.layers:
-        cut_layer(layer, cfg, rank, world, group)
+        cut_layer(layer, cfg, rank, world, group, exact)
     hq_local, kv_heads = _heads(cfg, rank, world)
     model.config = dataclasses.replace(cfg, num_heads=hq_local, num_kv_heads=len(kv_heads))
     vocab = model.lm_head.out_features
@@ -132,11 +168,11 @@ def _heads(cfg: ModelConfig, rank: int, world: int) -> tuple[int, list[int]]:
     return hq_local, [rank * hq_local // (hq // hkv)]  # fewer KV heads than ranks: the one its queries read
 
 
-def cut_layer(layer: nn.Module, cfg: ModelConfig, rank: int, world: int, group) -> None:
+def cut_layer(layer: nn.Module, cfg: ModelConfig, rank: int, world: int, group, exact: bool = True) -> None:
     """Keep rank `rank`'s part of one decoder layer of a model of config `cfg` (the whole
     model's), in place; a layer already cut is left as it is."""
     attn, mlp = layer.self_attn, layer.mlp
-    if isinstance(attn.o_proj, RowParallelLinear):
+    if isinstance(attn.o_proj, (RowParallelLinear, ColumnParallelLinear)):
         return
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     hq_local, kv_heads = _heads(cfg, rank, world)
@@ -149,11 +185,10 @@ def cut_layer(layer: nn.Module, cfg: ModelConfig, rank: int, world: int, group) 
         attn.q_proj = _rows(attn.q_proj, [q])
         attn.k_proj = _rows(attn.k_proj, [(j * d, (j + 1) * d) for j in kv_heads])
         attn.v_proj = _rows(attn.v_proj, [(j * d, (j + 1) * d) for j in kv_heads])
-    attn.o_proj = RowParallelLinear(_inputs(attn.o_proj, *q, bias=rank == 0), group)
     attn.num_heads, attn.num_kv_heads = hq_local, len(kv_heads)
     width = mlp.down_proj.in_features
-    unit = math.lcm(_input_unit(mlp.down_proj),
-                    _row_unit(mlp.gate_up_proj if mlp.gate_up_proj is not None else mlp.gate_proj))
+    gate = mlp.gate_up_proj if mlp.gate_up_proj is not None else mlp.gate_proj
+    unit = _row_unit(gate) if exact else math.lcm(_input_unit(mlp.down_proj), _row_unit(gate))
     if width % unit:
         raise ParallelConfigError(f"the MLP's width {width} is not made of blocks of {unit}")
     a, b = (unit * x for x in split(width // unit, rank, world))
@@ -161,7 +196,17 @@ def cut_layer(layer: nn.Module, cfg: ModelConfig, rank: int, world: int, group) 
         mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(a, b), (width + a, width + b)])
     else:
         mlp.gate_proj, mlp.up_proj = _rows(mlp.gate_proj, [(a, b)]), _rows(mlp.up_proj, [(a, b)])
-    mlp.down_proj = RowParallelLinear(_inputs(mlp.down_proj, a, b, bias=rank == 0), group)
+    if not exact:
+        attn.o_proj = RowParallelLinear(_inputs(attn.o_proj, *q, bias=rank == 0), group)
+        mlp.down_proj = RowParallelLinear(_inputs(mlp.down_proj, a, b, bias=rank == 0), group)
+        return
+    hidden = cfg.hidden_size
+    unit = math.lcm(_row_unit(attn.o_proj), _row_unit(mlp.down_proj))
+    c, e = (unit * x for x in split(hidden // unit, rank, world))
+    attn.o_proj = ColumnParallelLinear(_rows(attn.o_proj, [(c, e)]), group, (q[0], hq * d), (c, e - c, hidden))
+    mlp.down_proj = ColumnParallelLinear(_rows(mlp.down_proj, [(c, e)]), group, (a, width), (c, e - c, hidden))
+    if group is not None and hasattr(group, "set_columns"):  # the C layer loop's layout of this rank
+        group.set_columns(att=(q[0], q[1] - q[0], hq * d), ffn=(a, b - a, width), out=(c, e - c, hidden))
 
 
 def pipeline_stage(model: LlamaForCausalLM, stage: int, stages: int) -> tuple[int, int]:

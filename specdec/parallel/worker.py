@@ -29,6 +29,7 @@ class RankSpec:
     host: str
     port: int
     shm: str | None
+    exact: bool = True  # tensor parallel: o_proj and down_proj split exactly (`shard.ColumnParallelLinear`)
 
 
 def step_to_wire(step: Step) -> dict:
@@ -80,10 +81,10 @@ class Rank:
         self.spec, self.rank, self.conn, self.bind = spec, rank, conn, bind
         region = ShmRegion(spec.shm, spec.world) if spec.shm else None
         self.comm = Comm(rank, spec.world, None, region, spec.timeout_s)
-        part = shard.load_part(spec.mode, load_config(spec.model_dir), rank, spec.world, self.comm)
+        part = shard.load_part(spec.mode, load_config(spec.model_dir), rank, spec.world, self.comm, spec.exact)
         model = load_model(spec.model_dir, parse_dtype(spec.dtype), "cpu", spec.quant, part)
         if spec.mode == "tensor":
-            shard.tensor_parallel(model, rank, spec.world, self.comm)
+            shard.tensor_parallel(model, rank, spec.world, self.comm, spec.exact)
             layers = (0, len(model.model.layers))
         else:
             layers = shard.pipeline_stage(model, rank, spec.world)

@@ -16,9 +16,13 @@
  * Python between them (~2 ms a step, 13% of a draft forward).
  *
  * A rank of a tensor-parallel group (`group` set) holds its heads and its share of the MLP's
- * width: o_proj and down_proj write this rank's part of their sums to `partial` [T, H] fp32
- * (their bias on rank 0 only), group_allreduce adds the ranks' parts, and the residual add
- * rounds as qgemm's fused one does: h = bf16(bf16(sum) + h).
+ * width. Split by partial sums (group->out_full 0): o_proj and down_proj take this rank's input
+ * columns and write its part of their sums to `partial` [T, H] fp32 (their bias on rank 0
+ * only), group_allreduce adds the ranks' parts, and the residual add rounds as qgemm's fused one
+ * does: h = bf16(bf16(sum) + h) (not one process's bits: two partial sums added are not one
+ * chain). Split exactly (out_full > 0, column_parallel): o_proj and down_proj keep this rank's
+ * output rows over all inputs; their input's columns are gathered from every rank, and their
+ * outputs into h: every value is computed by one rank exactly as one process computes it.
  */
 #include <math.h>
 #include <stdint.h>
@@ -74,11 +78,65 @@ static int row_parallel(const uint16_t *x, int64_t num_rows, int glu, const stru
     return rc;
 }
 
+/* dst [T, cols] bf16 = every rank's columns gathered: this rank's x [T, width] goes to columns
+ * `start`.. (with halves 2: its first half to start.., its second to full + start..; cols =
+ * halves * full), through fp32 `buf` [T, cols] whose other columns are -0.0 and group_allreduce:
+ * x + -0.0 is x, sign of zero included, so dst holds the ranks' values exactly. */
+static int gather_columns(const struct specdec_group *g, const uint16_t *x, int64_t rows, int64_t width,
+                          int64_t start, int64_t full, int halves, float *buf, uint16_t *dst) {
+    const int64_t cols = halves * full, part = width / halves;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = buf + r * cols;
+        for (int64_t c = 0; c < cols; c++) row[c] = -0.0f;
+        for (int h = 0; h < halves; h++)
+            for (int64_t i = 0; i < part; i++) row[h * full + start + i] = load_float(x, 1, r * width + h * part + i);
+    }
+    const int rc = group_allreduce(g, buf, rows * cols);
+    if (rc != SPECDEC_OK) return rc;
+    for (int64_t i = 0; i < rows * cols; i++) dst[i] = to_bf16(buf[i]);
+    return SPECDEC_OK;
+}
+
+/* An exactly split linear: x's columns gathered from every rank into x_full [T, halves * in_full],
+ * this rank's output rows of x_full @ w^T (+ bias) computed over all of it with its columns of h
+ * as the fused residual (into `res`, then `out` [T, out_width]), gathered back into h [T, H]. */
+static int column_parallel(const uint16_t *x, int64_t num_rows, int glu, int64_t in_start, int64_t in_width,
+                           int64_t in_full, const struct specdec_linear *l, const struct specdec_group *g, float *buf,
+                           uint16_t *x_full, uint16_t *res, uint16_t *out, uint16_t *h, int threads) {
+    const int halves = glu ? 2 : 1;
+    const int64_t hidden = g->out_full, ow = g->out_width;
+    if (l->out_features != ow || l->in_features != in_full) return SPECDEC_ERR_INVALID_ARGUMENT; /* (glu: x is 2 K wide) */
+    int rc = gather_columns(g, x, num_rows, halves * in_width, in_start, in_full, halves, buf, x_full);
+    if (rc != SPECDEC_OK) return rc;
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t i = 0; i < ow; i++) res[r * ow + i] = h[r * hidden + g->out_start + i];
+    rc = qgemm(x_full, 1, num_rows, l->in_features, glu, l->tiles, l->tile_offsets, l->tile_bits, ow, l->bias, res,
+               out, 1, NULL, 0, 0.0f, threads);
+    if (rc != SPECDEC_OK) return rc;
+    return gather_columns(g, out, num_rows, ow, g->out_start, hidden, 1, buf, h);
+}
+
+/* The split linear of a tensor-parallel rank (group set): exactly or by partial sums. `partial`
+ * holds, split exactly, fp32 [T, max(att_full, 2 ffn_full, out_full)] then bf16 x_full [T,
+ * max(att_full, 2 ffn_full)], res and out [T, out_width] each; by partial sums fp32 [T, H]. */
+static int split_linear(const uint16_t *x, int64_t num_rows, int glu, const struct specdec_linear *l,
+                        const struct specdec_group *g, float *partial, uint16_t *h, int threads) {
+    if (!g->out_full) return row_parallel(x, num_rows, glu, l, g, partial, h, threads);
+    const int64_t in_cols = g->att_full > 2 * g->ffn_full ? g->att_full : 2 * g->ffn_full;
+    const int64_t cols = in_cols > g->out_full ? in_cols : g->out_full;
+    uint16_t *x_full = (uint16_t *)(partial + num_rows * cols), *res = x_full + num_rows * in_cols;
+    uint16_t *out = res + num_rows * g->out_width;
+    return glu ? column_parallel(x, num_rows, 1, g->ffn_start, g->ffn_width, g->ffn_full, l, g, partial, x_full, res,
+                                 out, h, threads)
+               : column_parallel(x, num_rows, 0, g->att_start, g->att_width, g->att_full, l, g, partial, x_full, res,
+                                 out, h, threads);
+}
+
 /* h [T, H] bf16 through `num_layers` layers, in place. kv: the cache [L, 2, N, S, Hkv, D] bf16
  * (a->num_slots = N * S). Scratch: qkv [T, (Hq + 2 Hkv) D], att [T, Hq D], gate_up [T, 2 I], all
  * bf16. A layer with `moe` runs its MLP as moe_block, which writes the rows' experts into
  * expert_ids [L, T, top_k] (NULL: not kept). With `group` (a tensor-parallel rank; NULL: none)
- * the row-parallel linears go through `partial` [T, H] fp32 and group_allreduce; MoE layers are
+ * o_proj and down_proj go through `partial` (split_linear) and group_allreduce; MoE layers are
  * not split. Returns SPECDEC_OK or the first failing call's status. */
 int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *layers, int64_t num_layers,
                    int norm_bf16, float eps, const struct specdec_attention *a, uint16_t *kv, float scale,
@@ -98,7 +156,7 @@ int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *la
         uint16_t *k_cache = kv + 2 * i * layer_elems, *v_cache = k_cache + layer_elems;
         rc = rope_write_attend(a, qkv, q->out_features, k_cache, v_cache, scale, att, threads);
         if (rc != SPECDEC_OK) return rc;
-        rc = group ? row_parallel(att, num_rows, 0, o, group, partial, h, threads)
+        rc = group ? split_linear(att, num_rows, 0, o, group, partial, h, threads)
                    : qgemm(att, 1, num_rows, o->in_features, 0, o->tiles, o->tile_offsets, o->tile_bits,
                            o->out_features, o->bias, h, h, 1, NULL, 0, 0.0f, threads);
         if (rc != SPECDEC_OK) return rc;
@@ -113,7 +171,7 @@ int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *la
         rc = qgemm(h, 1, num_rows, gu->in_features, 0, gu->tiles, gu->tile_offsets, gu->tile_bits,
                    gu->out_features, gu->bias, NULL, gate_up, 1, l->post_attention_norm, norm_bf16, eps, threads);
         if (rc != SPECDEC_OK) return rc;
-        rc = group ? row_parallel(gate_up, num_rows, 1, dn, group, partial, h, threads)
+        rc = group ? split_linear(gate_up, num_rows, 1, dn, group, partial, h, threads)
                    : qgemm(gate_up, 1, num_rows, dn->in_features, 1, dn->tiles, dn->tile_offsets, dn->tile_bits,
                            dn->out_features, dn->bias, h, h, 1, NULL, 0, 0.0f, threads);
         if (rc != SPECDEC_OK) return rc;

@@ -62,7 +62,7 @@ class NativeDecoderStack:
         self.scale = first.scale
         self.hidden = layers[0].input_layernorm.weight.shape[0]
         dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoE)]
-        self.intermediate = max((mlp.down_proj.in_features for mlp in dense), default=kernel_abi.TILE)
+        self.intermediate = max((mlp.gate_up_proj.out_features // 2 for mlp in dense), default=kernel_abi.TILE)
         self.moe_blocks = [(i, layer.mlp) for i, layer in enumerate(layers) if isinstance(layer.mlp, SparseMoE)]
         self.top_k = self.moe_blocks[0][1].top_k if self.moe_blocks else 0
         norm = layers[0].input_layernorm
@@ -86,6 +86,20 @@ class NativeDecoderStack:
                 row.k_norm = self._ptr("self_attn.k_norm.weight", attn.k_norm.weight, self.head_dim)
             row.input_norm = self._ptr("input_layernorm.weight", layer.input_layernorm.weight)
             row.post_attention_norm = self._ptr("post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+
+    def _gathered(self) -> tuple[int, ...]:
+        """The widths a layer's all-reduces carry a row: split exactly, the attention output, the
+        hidden state, gate | up and the hidden state again; else the hidden state twice."""
+        g = self.comm.descriptor
+        return (g.att_full, g.out_full, 2 * g.ffn_full, g.out_full) if self.comm.exact else (self.hidden,) * 2
+
+    def _partial_floats(self, t: int) -> int:
+        """The fp32 scratch `decoder.c` split_linear takes for `t` rows (its layout there)."""
+        g = self.comm.descriptor
+        if not self.comm.exact:
+            return t * self.hidden
+        inputs = max(g.att_full, 2 * g.ffn_full)
+        return t * max(inputs, g.out_full) + -(-t * (inputs + 2 * g.out_width) // 2)  # + the bf16 buffers
 
     def _linear(self, linear: QLinear) -> kernel_abi.Linear:
         return linear_descriptor(linear, self._refs)
@@ -152,7 +166,7 @@ class NativeDecoderStack:
         att = h.new_empty(t, hq * d)
         gate_up = h.new_empty(t, 2 * self.intermediate)
         expert_ids = torch.empty(self.num_layers, t, self.top_k, dtype=torch.int32) if self.top_k else None
-        partial = torch.empty(t, self.hidden, dtype=torch.float32) if self.comm is not None else None
+        partial = None if self.comm is None else torch.empty(self._partial_floats(t), dtype=torch.float32)
         rc = self.lib.decoder_layers(
             h.data_ptr(), t, self.table, self.num_layers, self.norm_bf16, self.eps, ctypes.byref(attention),
             kv_cache.kv.data_ptr(), self.scale, qkv.data_ptr(), att.data_ptr(), gate_up.data_ptr(),
@@ -161,8 +175,9 @@ class NativeDecoderStack:
             torch.get_num_threads(),
         )
         if self.comm is not None:
-            for _ in range(2 * self.num_layers):
-                self.comm.count(t * self.hidden)
+            for _ in range(self.num_layers):
+                for width in self._gathered():
+                    self.comm.count(t * width)
             self.comm.raise_for_status(rc)
         kernel_abi.raise_for_status(rc, "decoder_layers")
         for i, block in self.moe_blocks:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specdec import Engine, EngineConfig, SamplingParams
+from specdec.cache.cpu_attention import MAX_QUERY_LEN
 from specdec.target.quant import decoder_stack
 
 from .conftest import PROMPTS, prompt_logits, save_pair
@@ -31,9 +32,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 def test_ranks_run_the_c_layer_loop(pair):
     one = engine(pair)
-    ids = one.encode(PROMPTS[0])
+    ids = one.encode(PROMPTS[0] * 6)
     reference, tokens = prompt_logits(one, ids[:8]), [o.token_ids for o in one.generate(PROMPTS, GREEDY)]
+    whole = prompt_logits(one, ids)
     one.close()
+    assert len(ids) > MAX_QUERY_LEN  # a prefill the C attention does not take: the Python layers
     pp = engine(pair, pipeline_parallel_size=2)
     try:
         assert pp.target.model._layer_stack is not None
@@ -41,12 +44,22 @@ def test_ranks_run_the_c_layer_loop(pair):
         assert [o.token_ids for o in pp.generate(PROMPTS, GREEDY)] == tokens
     finally:
         pp.close()
-    tp = engine(pair, tensor_parallel_size=2)
+    tp = engine(pair, tensor_parallel_size=2)  # split exactly: every value one process's
     try:
         stack, comm = tp.target.model._layer_stack, tp.target.group.comm
-        assert stack is not None and stack.comm is comm and comm.group is not None
+        assert stack is not None and stack.comm is comm and comm.group is not None and comm.exact
         before = comm.num_all_reduces
-        got = prompt_logits(tp, ids[:8])  # 8 rows: the C loop (prefill of more rows runs in Python)
+        assert torch.equal(prompt_logits(tp, ids[:8]), reference)  # 8 rows: the C loop
+        assert comm.num_all_reduces - before == 4 * 2 + 1  # 4 gathers a layer, the LM head
+        assert torch.equal(prompt_logits(tp, ids), whole)  # the Python layers (ColumnParallelLinear)
+        assert [o.token_ids for o in tp.generate(PROMPTS, GREEDY)] == tokens
+    finally:
+        tp.close()
+    tp = engine(pair, tensor_parallel_size=2, tensor_parallel_exact=False)
+    try:
+        comm = tp.target.group.comm
+        before = comm.num_all_reduces
+        got = prompt_logits(tp, ids[:8])
         assert comm.num_all_reduces - before == 2 * 2 + 1  # o_proj and down per layer, the LM head
         # the ranks' fp32 parts summed in another order than one chain: bf16 roundings may differ
         assert (got - reference).abs().max().item() < 0.05 * reference.abs().max().item()

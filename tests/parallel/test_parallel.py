@@ -17,7 +17,8 @@ from specdec.parallel.shard import ParallelConfigError, split
 
 from .conftest import GREEDY, PROMPTS, engine, prompt_logits
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "tensor_parallel_exact": False},
+                                    {"pipeline_parallel_size": 2}], ids=["tp", "tp-partial-sums", "pp"])
 def test_two_ranks_match_one_process(pair, reference, layout):
     e = engine(pair, **layout)
     try:
@@ -47,7 +48,8 @@ def test_each_rank_holds_its_part(pair):
         model, (rank1,) = e.target.model, e.target.group.rank_memory()
         attn = model.model.layers[0].self_attn
         assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
-        assert model.model.layers[0].mlp.down_proj.local.in_features == 64  # of 128
+        down = model.model.layers[0].mlp.down_proj.local  # split exactly: all the MLP's width, half the rows
+        assert (down.in_features, down.out_features) == (128, 32)
         assert e.target.kv_cache.spec.num_kv_heads == 1
         assert rank1["layers"] == [0, 4] or rank1["layers"] == (0, 4)
     finally:
