@@ -117,7 +117,7 @@ def spawn_local(spec: RankSpec) -> list[LocalRank]:
 
 # ---- Ray ---------------------------------------------------------------------------------------
 
-def ray_placement(world: int, cpus: float, strategy: str, timeout_s: float = PLACEMENT_TIMEOUT_S):
+def ray_placement(world: int, cpus: float, strategy: str, timeout_s: float | None = None):
     """(placement group, first rank bundle, whether this process made it): the one this process
     runs in where it has a bundle per rank, else a new one of `world - 1` bundles of `cpus` CPUs."""
     import ray
@@ -131,6 +131,7 @@ def ray_placement(world: int, cpus: float, strategy: str, timeout_s: float = PLA
         return current, 1, False
     if strategy not in PLACEMENTS:
         raise ValueError(f"parallel placement must be one of {PLACEMENTS}, got {strategy!r}")
+    timeout_s = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
     group = placement_group([{"CPU": cpus}] * (world - 1), strategy=strategy.upper())
     if not ray.wait([group.ready()], timeout=timeout_s)[0]:
         ray.util.remove_placement_group(group)

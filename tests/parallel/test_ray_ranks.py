@@ -81,6 +81,20 @@ def test_a_killed_rank_actor_is_a_clear_error(local_ray, pair):
     assert wait_until(lambda: free_cpus() == CPUS, 30)
 
 
+def test_ranks_ray_cannot_place_are_a_clear_error(local_ray, pair, monkeypatch):
+    from specdec.parallel import launch
+
+    monkeypatch.setattr(launch, "PLACEMENT_TIMEOUT_S", 2.0)
+    blocker = ray.util.placement_group([{"CPU": CPUS - 1}])  # one CPU left: 3 stages need 3 or more
+    ray.get(blocker.ready())
+    try:
+        with pytest.raises(RuntimeError, match=r"could not place 3 rank.*\(1 CPUs free"):
+            engine(pair, parallel_ranks="ray", pipeline_parallel_size=4)
+    finally:
+        ray.util.remove_placement_group(blocker)
+    assert wait_until(lambda: free_cpus() == CPUS, 30)
+
+
 def test_serve_replica_with_two_ranks_is_replaced_when_a_rank_dies(local_ray, pair, tmp_path):
     from specdec.api.cluster.app import APP_NAME, ClusterOptions, build_app, build_engine
     from specdec.api.state import ServerSettings

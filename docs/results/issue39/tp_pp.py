@@ -1,5 +1,6 @@
 """Default pair, greedy, the first 10 HumanEval prompts, 128 new tokens (EOS ignored), as
-`specdec bench latency` runs them: one process against TP=2 and PP=2, target-only and speculative,
+`specdec bench latency` runs them: one process against TP=2 (split exactly, the default; and by
+partial sums, `tensor_parallel_exact=False`) and PP=2, target-only and speculative,
 rounds alternated; tokens compared prompt by prompt with the one-process run of the same mode.
 
     python docs/results/issue39/tp_pp.py OUT_DIR [ROUNDS]
@@ -14,7 +15,9 @@ from pathlib import Path
 from specdec import Engine, EngineConfig, SamplingParams
 from specdec.eval.datasets import humaneval_prompts
 
-LAYOUTS = {"one process": {}, "TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
+LAYOUTS = {"one process": {}, "TP=2": {"tensor_parallel_size": 2},
+           "TP=2 partial sums": {"tensor_parallel_size": 2, "tensor_parallel_exact": False},
+           "PP=2": {"pipeline_parallel_size": 2}}
 
 
 def run(layout: dict, speculative: bool) -> dict:
