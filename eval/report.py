@@ -38,6 +38,10 @@ def explicit_command(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         if not action.option_strings:
             parts += [str(v) for v in value] if isinstance(value, list) else [str(value)]
             continue
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x
+            if value is not None:
+                parts.append(action.option_strings[0] if value else action.option_strings[1])
+            continue
         flag = max(action.option_strings, key=len)
         if isinstance(action, argparse._StoreConstAction):  # store_true / store_false / const
             if value is action.const or (value == action.const and not isinstance(value, bool)):

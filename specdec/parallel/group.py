@@ -77,13 +77,19 @@ class RankGroup:
         host, local_memory, placed = "127.0.0.1", True, None
         if ranks == "ray":
             placed = launch.ray_placement(world, per_rank, placement)
-            host = launch.node_ip()
-            local_memory = launch.all_on_this_node(placed[0], placed[1], world)
-        store = dist.TCPStore(host, 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
-        # the all-reduce through memory where every rank is on this machine (SPECDEC_PARALLEL_SHM=0: gloo's)
-        shared = mode == "tensor" and local_memory and os.environ.get("SPECDEC_PARALLEL_SHM", "1") != "0"
-        path = shm_path() if shared else None
-        region = ShmRegion(path, world, create=True) if path else None
+        try:
+            if placed is not None:
+                host = launch.node_ip()
+                local_memory = launch.all_on_this_node(placed[0], placed[1], world)
+            store = dist.TCPStore(host, 0, world, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+            # the all-reduce through memory where every rank is on this machine (SPECDEC_PARALLEL_SHM=0: gloo's)
+            shared = mode == "tensor" and local_memory and os.environ.get("SPECDEC_PARALLEL_SHM", "1") != "0"
+            path = shm_path() if shared else None
+            region = ShmRegion(path, world, create=True) if path else None
+        except BaseException:
+            if placed is not None and placed[2]:  # a placement group made for ranks that never started
+                launch.remove_placement(placed[0])
+            raise
         spec = RankSpec(str(model_dir), dtype, quant, mode, world, per_rank, timeout_s, host, store.port, path, exact)
         group = cls(spec, store, region, host)
         group.config = config
@@ -229,10 +235,7 @@ def _stop(ranks, shm: str | None, owned: list) -> None:
         if isinstance(thing, launch._Listener):
             thing.close()
         else:  # the placement group the ranks were placed in, made for them
-            import ray
-
-            if ray.is_initialized():
-                ray.util.remove_placement_group(thing)
+            launch.remove_placement(thing)
     if shm and os.path.exists(shm):
         os.unlink(shm)
 

@@ -141,6 +141,13 @@ def ray_placement(world: int, cpus: float, strategy: str, timeout_s: float | Non
     return group, 0, True
 
 
+def remove_placement(group) -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.util.remove_placement_group(group)
+
+
 def all_on_this_node(group, first: int, world: int) -> bool:
     """Whether every rank's bundle is on this process's node (then the all-reduce goes through memory)."""
     import ray
@@ -174,7 +181,7 @@ class _Listener:
             try:
                 conn = self.listener.accept()
                 self.conns[int(conn.recv())] = conn
-            except (OSError, EOFError, ValueError):  # closed, or a stranger without the key
+            except Exception:  # noqa: BLE001 - closed, or a stranger without the key (AuthenticationError)
                 if self.listener._listener is None:
                     return
         self.close()

@@ -17,8 +17,7 @@ from specdec.parallel.shard import ParallelConfigError, split
 
 from .conftest import GREEDY, PROMPTS, engine, prompt_logits
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "tensor_parallel_exact": False},
-                                    {"pipeline_parallel_size": 2}], ids=["tp", "tp-partial-sums", "pp"])
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp", "pp"])
 def test_two_ranks_match_one_process(pair, reference, layout):
     e = engine(pair, **layout)
     try:
