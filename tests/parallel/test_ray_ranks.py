@@ -1,7 +1,8 @@
 """A parallel target's ranks as Ray actors (`--parallel-ranks ray`), on a local Ray: the same
-logits and tokens as one process with the all-reduce through memory and through gloo (the path
-of ranks on other machines), the ranks' CPUs back after close, a killed rank actor a clear error;
-and `serve --replicas 1 --tp 2`, whose replica is replaced with a new group when a rank dies."""
+logits and tokens as one process with TP's all-reduce through gloo (the path of ranks on other
+machines) and PP, the ranks' CPUs back after close, a killed rank actor a clear error, ranks Ray
+cannot place a clear error; and `serve --replicas 1 --tp 2` (the all-reduce through memory),
+whose replica is replaced with a new group when a rank dies."""
 
 from __future__ import annotations
 
