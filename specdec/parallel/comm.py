@@ -14,6 +14,7 @@ import mmap
 import os
 import struct
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -30,12 +31,52 @@ class RankFailure(RuntimeError):
     fatal = True  # the serving loop dies on it (`api.engine_loop`) instead of serving on
 
 
+SHM_PREFIX = "specdec-group-"
+
+
+def shm_folder() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 def shm_path() -> str:
-    """A fresh path for a group's region: in /dev/shm where it exists (memory, not disk)."""
-    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    fd, path = tempfile.mkstemp(prefix="specdec-group-", dir=folder)
+    """A fresh path for a group's region: in /dev/shm where it exists (memory, not disk). The
+    regions of drivers that died before their ranks joined (the name goes at join) are removed."""
+    sweep_stale_regions(shm_folder())
+    fd, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=shm_folder())
     os.close(fd)
     return path
+
+
+def sweep_stale_regions(folder: str, min_age_s: float = 600.0) -> list[str]:
+    """Remove the regions in `folder` whose driver (rank 0, its pid in the header) is gone, or
+    that no driver attached to within `min_age_s`; returns their paths."""
+    removed = []
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if not name.startswith(SHM_PREFIX):
+            continue
+        try:
+            with open(path, "rb") as f:
+                f.seek(PIDS)
+                raw = f.read(4)
+            pid = struct.unpack("i", raw)[0] if len(raw) == 4 else 0
+            stale = not _alive(pid) if pid > 0 else time.time() - os.path.getmtime(path) > min_age_s
+            if stale:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class ShmRegion:

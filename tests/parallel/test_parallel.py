@@ -110,3 +110,29 @@ def test_configurations_that_do_not_split(pair):
         engine(pair, pipeline_parallel_size=5)
     assert time.monotonic() - start < 5  # refused before any rank starts
     assert [split(35, r, 2) for r in (0, 1)] == [(0, 18), (18, 35)]
+
+
+def test_regions_of_dead_drivers_are_swept(tmp_path):
+    """A driver killed before its ranks joined leaves its region's name; the next group's start
+    removes it (and nothing of a live driver's, nor a region just being made)."""
+    import struct
+    import subprocess
+    import sys
+
+    from specdec.parallel.comm import PIDS, SHM_PREFIX, sweep_stale_regions
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True, check=True).stdout)
+
+    def region(name: str, pid: int):
+        data = bytearray(4096)
+        struct.pack_into("i", data, PIDS, pid)
+        path = tmp_path / f"{SHM_PREFIX}{name}"
+        path.write_bytes(bytes(data))
+        return path
+
+    gone, mine, fresh = region("gone", dead_pid), region("mine", os.getpid()), region("fresh", 0)
+    other = tmp_path / "someone-else"
+    other.write_bytes(b"x")
+    assert sweep_stale_regions(str(tmp_path)) == [str(gone)]
+    assert not gone.exists() and mine.exists() and fresh.exists() and other.exists()
