@@ -32,6 +32,7 @@ from specdec.eval import report
 from specdec.expert_stats import distinct_experts
 from specdec.target.model_files import resolve_model
 from specdec.target.model_weights import load_model
+from specdec.target.quant.modes import QUANT_MODES
 from specdec.target.runner import ModelRunner, Window
 
 ROWS = (1, 2, 4, 6, 8)
@@ -119,7 +120,7 @@ def table(ours: dict, llama: dict | None) -> str:
     lines = ["| | specdec | llama.cpp | ratio |", "|---|---|---|---|"]
     for key, name in (("tg128", "one-row decode, tok/s (tg128)"), ("pp512", "prefill 512, tok/s (pp512)")):
         theirs = llama.get(key) if llama else None
-        lines.append(f"| {name} | {ours[key]:.1f} | {theirs or 0:.1f} | {ours[key] / theirs if theirs else 0:.2f}x |")
+        lines.append(f"| {name} | {ours[key]:.1f} | " + (f"{theirs:.1f} | {ours[key] / theirs:.2f}x |" if theirs else "- | |"))
     for rows in ROWS:
         rel = ours["forward_s"][rows] / ours["forward_s"][1]
         theirs = llama["forward_s"].get(rows) / llama["forward_s"][1] if llama else None
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="specdec then llama.cpp, this many times alternating; medians reported (the "
                              "machine's speed drifts within minutes: alternating shares the drift)")
-    parser.add_argument("--quant", default="w4a8-auto", help="specdec's weight format (default: the target's)")
+    parser.add_argument("--quant", default="gguf", choices=QUANT_MODES,
+                        help="specdec's weight format (default: gguf, the target's: the file's Q4_K / Q6_K blocks as stored)")
     parser.add_argument("--out", type=Path, help="write OUT.md and OUT.json (command, commit, machine, figures)")
     args = parser.parse_args(argv)
     if not args.gguf.is_file():
