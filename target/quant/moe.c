@@ -104,10 +104,12 @@ static int run_expert(const float *xn, int64_t n, const struct specdec_linear *g
 
 /* One row (m == 1): every chosen expert's gate|up in ONE qgemm call over their tiles end to end (a
  * tile's output does not depend on the other tiles of the call, so the values are bitwise those of
- * one call per expert), then each expert's down. Saves k - 1 calls (their thread start-ups and
- * barriers) per layer of a one-row decode. Returns -1 where it does not apply (biases). */
+ * one call per expert), then the experts' downs, each on one thread where the threads divide them
+ * (a qgemm row's value does not depend on the threads that compute it), else one call each over
+ * all threads; their outputs summed after, in expert order. Saves the calls' thread start-ups and
+ * barriers (2k - 1 of them a layer) in a one-row decode. Returns -1 where it does not apply (biases). */
 static int one_row_experts(const float *xn, const struct specdec_moe *e, const int32_t *ids, const float *w,
-                           float *gu, float *rows_y, float *acc, int threads) {
+                           float *gu, float *acc, int threads) {
     const int64_t k = e->top_k, h = e->hidden;
     int64_t tiles = 0;
     const uint8_t *base = NULL;
@@ -119,9 +121,10 @@ static int one_row_experts(const float *xn, const struct specdec_moe *e, const i
     }
     int64_t *offsets = malloc(sizeof(int64_t) * (size_t)tiles);
     uint8_t *bits = malloc((size_t)tiles);
-    int64_t *order = malloc(sizeof(int64_t) * (size_t)k);
-    if (!offsets || !bits || !order) {
-        free(offsets), free(bits), free(order);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)k), *cols = malloc(sizeof(int64_t) * (size_t)k);
+    float *ys = malloc(sizeof(float) * (size_t)(k * h)); /* each expert's down output */
+    if (!offsets || !bits || !order || !cols || !ys) {
+        free(offsets), free(bits), free(order), free(cols), free(ys);
         return SPECDEC_ERR_NO_MEMORY;
     }
     for (int64_t s = 0; s < k; s++) order[s] = s; /* the slots by expert id: the sum's order */
@@ -139,14 +142,25 @@ static int one_row_experts(const float *xn, const struct specdec_moe *e, const i
         }
     }
     int rc = qgemm(xn, 0, 1, h, 0, base, offsets, bits, tiles * SPECDEC_TILE, NULL, NULL, gu, 0, NULL, 0, 0.0f, threads);
-    for (int64_t s = 0, col = 0; s < k && rc == SPECDEC_OK; s++) {
-        const struct specdec_linear *dn = &e->down[ids[order[s]]];
-        rc = qgemm(gu + col, 0, 1, dn->in_features, 1, dn->tiles, dn->tile_offsets, dn->tile_bits, dn->out_features,
-                   NULL, NULL, rows_y, 0, NULL, 0, 0.0f, threads);
-        if (rc == SPECDEC_OK) add_scaled(acc, rows_y, w[order[s]], h);
-        col += 2 * dn->in_features;
+    for (int64_t s = 0, col = 0; s < k; s++) {
+        cols[s] = col;
+        col += 2 * e->down[ids[order[s]]].in_features;
     }
-    free(offsets), free(bits), free(order);
+    const int by_expert = threads > 1 && k % threads == 0; /* every thread the same number of downs */
+    if (rc == SPECDEC_OK) {
+#pragma omp parallel for num_threads(by_expert ? threads : 1) schedule(static)
+        for (int64_t s = 0; s < k; s++) {
+            const struct specdec_linear *dn = &e->down[ids[order[s]]];
+            const int r = qgemm(gu + cols[s], 0, 1, dn->in_features, 1, dn->tiles, dn->tile_offsets, dn->tile_bits,
+                                dn->out_features, NULL, NULL, ys + s * h, 0, NULL, 0, 0.0f, by_expert ? 1 : threads);
+            if (r != SPECDEC_OK) {
+#pragma omp critical
+                rc = r;
+            }
+        }
+    }
+    for (int64_t s = 0; s < k && rc == SPECDEC_OK; s++) add_scaled(acc, ys + s * h, w[order[s]], h);
+    free(offsets), free(bits), free(order), free(cols), free(ys);
     return rc;
 }
 
@@ -191,7 +205,7 @@ int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e,
     for (int64_t i = 0; i < m * k; i++) count[ids[i] + 1]++;
     for (int64_t j = 0; j < n; j++) count[j + 1] += count[j];
     for (int64_t i = 0; i < m * k; i++) order[count[ids[i]]++] = i;
-    rc = m == 1 ? one_row_experts(xn, e, ids, w, gu, rows_y, acc, threads) : -1;
+    rc = m == 1 ? one_row_experts(xn, e, ids, w, gu, acc, threads) : -1;
     const int per_expert = rc == -1; /* one call pair per chosen expert over its rows */
     if (per_expert) rc = SPECDEC_OK;
     for (int64_t j = 0, start = 0; per_expert && rc == SPECDEC_OK && j < n; start = count[j++]) {

@@ -96,14 +96,24 @@ def _quantized(family: str, seed: int = 0, **overrides):
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
 def test_a_rows_result_is_bitwise_the_one_row_call(family, simd_level):
     """Row i of an n-row MoE call (n = 1..16) equals the one-row call, bit for bit: the property
-    that makes greedy speculation equal target-only decoding."""
+    that makes greedy speculation equal target-only decoding. And with 1, 2 or 3 threads alike:
+    a one-row call runs its experts' downs one per thread where the threads divide the top k
+    (qwen3_moe's 2 at 2 threads, qwen2_moe's 3 at 3), over all threads elsewhere."""
     block = _quantized(family).model.layers[0].mlp
     assert isinstance(block.kernel, NativeMoE)
     x, residual = torch.randn(16, 64).bfloat16(), torch.randn(16, 64).bfloat16()
-    singles = [block(x[i : i + 1], None, residual[i : i + 1]) for i in range(16)]
-    for n in range(1, 17):
-        out = block(x[:n], None, residual[:n])
-        assert torch.equal(out, torch.cat(singles[:n])), n
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        singles = [block(x[i : i + 1], None, residual[i : i + 1]) for i in range(16)]
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            assert all(torch.equal(block(x[i : i + 1], None, residual[i : i + 1]), singles[i]) for i in range(16)), t
+            for n in range(1, 17):
+                out = block(x[:n], None, residual[:n])
+                assert torch.equal(out, torch.cat(singles[:n])), (t, n)
+    finally:
+        torch.set_num_threads(threads)
     assert block.last_expert_ids.shape == (16, block.top_k)
 
 
