@@ -82,6 +82,8 @@ def supports_latent(meta: AttentionMetadata, query: torch.Tensor, cache: torch.T
             and meta.max_query_len <= MAX_QUERY_LEN
             and load_attention() is not None
         )
+        if use:  # the library for the other layers' calls (loading it reads the environment)
+            meta.scratch["cpu_attention_lib"] = load_attention()
     return use
 
 
@@ -93,13 +95,19 @@ def latent_attend(
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, value_dim] bf16
     """Multi-head latent attention's absorbed path: every query head over the latents as keys and
-    their first `value_dim` dims as values (see `paged_attention.c`). Tensors checked first."""
+    their first `value_dim` dims as values (see `paged_attention.c`). Tensors checked first (the
+    step's descriptor once: every layer's cache has the first layer's geometry)."""
     num_tokens, num_q_heads, dim = query.shape
-    a = attention_descriptor(meta, None, None, None, cache, num_q_heads, 1, latent=True)
+    key = ("latent_descriptor", tuple(cache.shape), num_q_heads)
+    a = meta.scratch.get(key)
+    if a is None:
+        a = meta.scratch[key] = attention_descriptor(meta, None, None, None, cache, num_q_heads, 1, latent=True)
+    else:
+        check_tensor("cache", cache, (torch.bfloat16,), key[1])
     check_tensor("query", query, (torch.bfloat16,), (meta.num_tokens, num_q_heads, dim))
     if dim != a.d or value_dim % 16 or not 0 < value_dim <= min(dim, MAX_HEAD_DIM):
         raise ValueError(f"latent_attend: queries of {dim} dims, latents of {a.d}, values of {value_dim}")
-    lib = load_attention()
+    lib = meta.scratch.get("cpu_attention_lib") or load_attention()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel cannot run here: {kernel().unavailable_reason()}")
     out = query.new_empty(num_tokens, num_q_heads, value_dim)
@@ -114,6 +122,7 @@ def head_matmul(
     w: torch.Tensor,  # [H, k, n] (transposed False) or [H, n, k] (True) bf16; each head's matrix contiguous
     transposed: bool,
     out_dtype: torch.dtype = torch.bfloat16,
+    lib: ctypes.CDLL | None = None,  # the loaded kernel (`load_attention()` where None)
 ) -> torch.Tensor:  # [T, H, n]
     """Each row's heads times their own matrices (MLA's `W_UK` before the absorbed attention and
     `W_UV` after it), fp32 accumulation in a fixed order per row (`paged_attention.c`): a row's
@@ -127,7 +136,7 @@ def head_matmul(
             or w.device.type != "cpu"):
         raise ValueError(f"head_matmul: w must be bf16 {list(expected)} with contiguous heads, got {w.dtype} "
                          f"{list(w.shape)} strides {w.stride()}")
-    lib = load_attention()
+    lib = lib or load_attention()
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel cannot run here: {kernel().unavailable_reason()}")
     out = torch.empty(t, heads, n, dtype=out_dtype)

@@ -136,10 +136,11 @@ class LatentAttention(nn.Module):
         applied after."""
         w_uk, w_uv = self._w_uk_uv()
         if cpu_attention.supports_latent(meta, q_rope, k_cache, kv_scale):  # the whole path in C, row by row
-            q_lat = cpu_attention.head_matmul(q_nope.contiguous(), w_uk, transposed=False)  # [T, H, rank]
+            lib = meta.scratch.get("cpu_attention_lib")
+            q_lat = cpu_attention.head_matmul(q_nope.contiguous(), w_uk, transposed=False, lib=lib)  # [T, H, rank]
             query = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + R]
             out = cpu_attention.latent_attend(query, k_cache, self.mla.kv_lora_rank, meta, self.scale)
-            return cpu_attention.head_matmul(out, w_uv, transposed=True)  # [T, H, v]
+            return cpu_attention.head_matmul(out, w_uv, transposed=True, lib=lib)  # [T, H, v]
         dtype = q_nope.dtype  # products in fp32 (a bf16 bmm is ~20x slower on CPUs without bf16 units)
         q_lat = torch.bmm(q_nope.float().transpose(0, 1), w_uk.float()).transpose(0, 1).to(dtype)  # [T, H, rank]
         query = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + R]
