@@ -106,8 +106,8 @@ static int run_expert(const float *xn, int64_t n, const struct specdec_linear *g
  * tile's output does not depend on the other tiles of the call, so the values are bitwise those of
  * one call per expert), then the experts' downs, each on one thread where the threads divide them
  * (a qgemm row's value does not depend on the threads that compute it), else one call each over
- * all threads; their outputs summed after, in expert order. Saves the calls' thread start-ups and
- * barriers (2k - 1 of them a layer) in a one-row decode. Returns -1 where it does not apply (biases). */
+ * all threads; their outputs summed after, in expert order. Two parallel regions a layer instead of
+ * 2k (their thread start-ups and barriers) in a one-row decode. Returns -1 where it does not apply (biases). */
 static int one_row_experts(const float *xn, const struct specdec_moe *e, const int32_t *ids, const float *w,
                            float *gu, float *acc, int threads) {
     const int64_t k = e->top_k, h = e->hidden;
