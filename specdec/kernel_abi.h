@@ -134,6 +134,8 @@ int int4_quantize_rows(const float *w, int64_t n, int64_t k, int64_t group, int3
 
 /* target/quant/kquant_pack.c */
 int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, int kind, uint8_t *out, int threads);
+int gguf_rows(const uint8_t *raw, int64_t row_stride, int64_t rows, const int64_t *ids, int64_t n, int64_t k,
+              int kind, void *out, int out_bf16);
 
 /* specdec/kernel_abi.c (every library): the layout table and its length. */
 int64_t specdec_abi_version(void);

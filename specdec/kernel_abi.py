@@ -167,6 +167,8 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "int4_quantize_rows": (_I, [_P, _I64, _I64, _I64, _P, _P, _I64, _I, _P, _I]),
     # raw, row_stride, n, k, kind, out, threads
     "kquant_pack": (_I, [_P, _I64, _I64, _I64, _I, _P, _I]),
+    # raw, row_stride, rows, ids, n, k, kind, out, out_bf16
+    "gguf_rows": (_I, [_P, _I64, _I64, _P, _I64, _I64, _I, _P, _I]),
     # bytes, threads, repeats, out (bytes/s)
     "roofline_read_bandwidth": (_I, [_I64, _I, _I, ctypes.POINTER(ctypes.c_double)]),
     # rounds, threads, out (multiply-adds/s)

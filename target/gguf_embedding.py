@@ -6,7 +6,9 @@ for the 1.5B target, 272 MB for the 0.5B draft) where the GGUF holds it in 131 M
 blocks. `GGUFEmbedding` maps the table where it lies (a view of the file's pages, or of the
 default pair's package chunks) and dequantizes the rows of each forward's tokens exactly as the
 full-tensor conversion did (float32 from the blocks, then the model dtype): the values are
-bitwise those of the bf16 table it replaces.
+bitwise those of the bf16 table it replaces. Q4_K, Q6_K, Q5_0 and Q8_0 rows are read by C
+(`kquant_pack.c` `gguf_rows`: ~5 us a row where the torch ops take ~270 us a lookup), the other
+types by `gguf_dequant`.
 
     >>> emb = GGUFEmbedding(gguf_file, "token_embd.weight", torch.bfloat16)   # doctest: +SKIP
     >>> emb(torch.tensor([17, 42])).shape
@@ -19,8 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from specdec.kernel_abi import raise_for_status
 from specdec.target.gguf_dequant import dequantize
 from specdec.target.gguf_file import GGUFFile
+from specdec.target.quant import kquant
 
 
 class GGUFEmbedding(nn.Module):
@@ -33,9 +37,23 @@ class GGUFEmbedding(nn.Module):
         self.gguf_name, self.ggml_type, self.dtype = name, info.ggml_type, dtype
         self.num_embeddings, self.embedding_dim = info.shape
         self._rows = np.asarray(gguf.raw(name)).reshape(self.num_embeddings, -1)  # [V, row bytes] (or values)
+        kind = kquant.GGML_KINDS.get(self.ggml_type)  # rows the C lookup reads (`_c_kind`), else None
+        fits = (kind is not None and self.embedding_dim % kquant.BLOCK_INPUTS[kind] == 0
+                and self._rows.dtype == np.uint8 and self._rows.strides[1] == 1)
+        self._c_kind = kind if fits else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [*] int -> [*, D] dtype
-        rows = self._rows[ids.reshape(-1).cpu().numpy()]  # [T, row bytes]: copies T rows only
+        flat = ids.reshape(-1).cpu().to(torch.int64).contiguous()
+        if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.num_embeddings):
+            raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
+        lib = kquant.PACKER.load() if self._c_kind is not None and self.dtype in (torch.bfloat16, torch.float32) else None
+        if lib is not None and flat.numel():
+            out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.dtype)
+            rc = lib.gguf_rows(self._rows.ctypes.data, self._rows.strides[0], self.num_embeddings, flat.data_ptr(),
+                               flat.numel(), self.embedding_dim, self._c_kind, out.data_ptr(), self.dtype == torch.bfloat16)
+            raise_for_status(rc, "gguf_rows")
+            return out.reshape(*ids.shape, self.embedding_dim)
+        rows = self._rows[flat.numpy()]  # [T, row bytes]: copies T rows only
         return dequantize(rows, self.ggml_type).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

@@ -29,7 +29,7 @@ GGML_KINDS = {12: TILE_Q4_K, 14: TILE_Q6_K, 6: TILE_Q5_0, 8: TILE_Q8_0}
 SUPER_KINDS = frozenset(k for k, n in BLOCK_INPUTS.items() if n == SUPER)
 ROWS_PER_CHUNK = 4096  # output channels repacked at once by torch: ~10 MB of temporaries for K = 1536
 # the same packing in C (plain C, any x86-64): ~1 GB/s where torch's ops manage 60-150 MB/s
-PACKER = native.NativeKernel((Path(__file__).with_name("kquant_pack.c"),), (), (), ("kquant_pack",))
+PACKER = native.NativeKernel((Path(__file__).with_name("kquant_pack.c"),), (), (), ("kquant_pack", "gguf_rows"))
 
 
 def tile_bytes(kind: int, in_features: int) -> int:

@@ -146,3 +146,91 @@ int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, in
     }
     return SPECDEC_OK;
 }
+
+/* fp16 bits -> fp32, exact (subnormals, infinities and NaNs included) */
+static float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | man << 13;
+    else if (exp) u = sign | (exp + 112) << 23 | man << 13;
+    else if (!man) u = sign;
+    else { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do e++, m <<= 1; while (!(m & 0x400));
+        u = sign | (uint32_t)(112 - e) << 23 | (m & 0x3ff) << 13;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static float f16_at(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | p[1] << 8)); }
+
+static void store_value(void *out, int out_bf16, int64_t i, float v) {
+    if (!out_bf16) {
+        ((float *)out)[i] = v;
+        return;
+    }
+    uint32_t u; /* round to nearest even, as torch casts */
+    memcpy(&u, &v, 4);
+    ((uint16_t *)out)[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 /* torch's NaN */
+                                                           : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* Rows `ids` [n] of a GGUF tensor of `kind` (SPECDEC_TILE_Q4_K, _Q6_K, _Q5_0 or _Q8_0) whose rows
+ * of k values lie `row_stride` bytes apart in `raw` (rows rows in all) -> out [n, k], fp32 or (out_bf16)
+ * bf16 rounded to nearest even: an embedding lookup. The values are gguf_dequant.py's (ggml's)
+ * exactly: every product of a scale and a quant is exact in fp32, so only the final add rounds.
+ * SPECDEC_ERR_INVALID_ARGUMENT for another kind, k off the block grid or an id outside [0, rows). */
+int gguf_rows(const uint8_t *raw, int64_t row_stride, int64_t rows, const int64_t *ids, int64_t n, int64_t k,
+              int kind, void *out, int out_bf16) {
+    int64_t inputs, block;
+    switch (kind) {
+        case SPECDEC_TILE_Q4_K: inputs = SUPER, block = 144; break;
+        case SPECDEC_TILE_Q6_K: inputs = SUPER, block = 210; break;
+        case SPECDEC_TILE_Q5_0: inputs = GROUP, block = 22; break;
+        case SPECDEC_TILE_Q8_0: inputs = GROUP, block = 34; break;
+        default: return SPECDEC_ERR_INVALID_ARGUMENT;
+    }
+    if (!raw || !ids || !out || n < 0 || k <= 0 || k % inputs || row_stride < k / inputs * block)
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= rows) return SPECDEC_ERR_INVALID_ARGUMENT;
+    uint8_t q[SUPER];
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *row = raw + ids[r] * row_stride;
+        for (int64_t b = 0; b < k / inputs; b++) {
+            const uint8_t *blk = row + b * block;
+            const int64_t at = r * k + b * inputs;
+            if (kind == SPECDEC_TILE_Q4_K) {
+                const float d = f16_at(blk), dmin = f16_at(blk + 2);
+                q4_k_values(blk, q);
+                for (int j = 0; j < 8; j++) {
+                    uint8_t sc, m;
+                    scale_min_k4(j, blk + 4, &sc, &m);
+                    const float ds = d * (float)sc, dm = dmin * (float)m;
+                    for (int l = 0; l < 32; l++) store_value(out, out_bf16, at + 32 * j + l, ds * (float)q[32 * j + l] - dm);
+                }
+            } else if (kind == SPECDEC_TILE_Q6_K) {
+                const float d = f16_at(blk + 208);
+                q6_k_values(blk, q);
+                for (int j = 0; j < 16; j++) {
+                    const float ds = d * (float)(int8_t)blk[192 + j];
+                    for (int l = 0; l < 16; l++) store_value(out, out_bf16, at + 16 * j + l, ds * (float)((int)q[16 * j + l] - 32));
+                }
+            } else if (kind == SPECDEC_TILE_Q5_0) {
+                const float d = f16_at(blk);
+                const uint32_t qh = (uint32_t)blk[2] | (uint32_t)blk[3] << 8 | (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24;
+                for (int j = 0; j < 16; j++) {
+                    store_value(out, out_bf16, at + j, d * (float)((int)((blk[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16));
+                    store_value(out, out_bf16, at + 16 + j, d * (float)((int)((blk[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16));
+                }
+            } else {
+                const float d = f16_at(blk);
+                for (int j = 0; j < 32; j++) store_value(out, out_bf16, at + j, (float)(int8_t)blk[2 + j] * d);
+            }
+        }
+    }
+    return SPECDEC_OK;
+}

@@ -197,3 +197,26 @@ def test_stacked_q4_k_experts_are_read_per_expert_as_stored(tmp_path, monkeypatc
         ours, ref = model.model.layers[layer].mlp.experts[e], dense.model.layers[layer].mlp.experts[e]
         assert set(ours.down_proj.tile_bits.tolist()) == {TILE_Q4_K}
         assert torch.equal(dequantize(ours.down_proj), ref.down_proj.weight)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_an_embedding_lookup_reads_the_files_values_exactly(kind, dtype):
+    """`GGUFEmbedding` rows of the four block formats (in C for bf16 / fp32, in torch otherwise):
+    gguf's own dequantized values, fp16 scales down to subnormals, rounded to the dtype as torch
+    rounds; ids outside the table refused as `nn.Embedding` refuses them."""
+    from types import SimpleNamespace
+
+    from specdec.target.gguf_embedding import GGUFEmbedding
+
+    raw = k_blocks(kind, 40, 512, seed=3)
+    file = SimpleNamespace(tensors={"t": SimpleNamespace(ggml_type=int(KINDS[kind]), shape=(40, 512))}, raw=lambda name: raw)
+    emb = GGUFEmbedding(file, "t", dtype)
+    assert emb._c_kind == kind
+    ids = torch.tensor([[0, 39, 5, 5], [17, 2, 0, 38]])
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind])).to(dtype)[ids]
+    assert torch.equal(emb(ids), expected)
+    assert emb(torch.tensor([], dtype=torch.long)).shape == (0, 512)
+    for bad in (40, -1):
+        with pytest.raises(IndexError):
+            emb(torch.tensor([3, bad]))
