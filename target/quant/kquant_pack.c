@@ -115,19 +115,24 @@ static void pack_q5_0_group(const uint8_t *const *rows, uint8_t *out) {
     }
 }
 
+/* the inputs and file bytes of one block of `kind`; 0 for a kind this file does not read */
+static int block_geometry(int kind, int64_t *inputs, int64_t *block) {
+    switch (kind) {
+        case SPECDEC_TILE_Q4_K: *inputs = SUPER, *block = 144; return 1;
+        case SPECDEC_TILE_Q6_K: *inputs = SUPER, *block = 210; return 1;
+        case SPECDEC_TILE_Q5_0: *inputs = GROUP, *block = 22; return 1;
+        case SPECDEC_TILE_Q8_0: *inputs = GROUP, *block = 34; return 1;
+        default: return 0;
+    }
+}
+
 /* raw [n, k / inputs per block * block bytes] (rows `row_stride` bytes apart) of `kind`
  * (SPECDEC_TILE_Q4_K, _Q6_K, _Q5_0 or _Q8_0) -> out [n / 16 tiles of their blocks] in the tile
  * layout of that kind. SPECDEC_ERR_INVALID_ARGUMENT for sizes off the tile grid or another kind. */
 int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, int kind, uint8_t *out, int threads) {
-    int64_t inputs, block, bytes; /* per block: inputs, bytes in the file, bytes in a tile (16 rows) */
-    switch (kind) {
-        case SPECDEC_TILE_Q4_K: inputs = SUPER, block = 144; break;
-        case SPECDEC_TILE_Q6_K: inputs = SUPER, block = 210; break;
-        case SPECDEC_TILE_Q5_0: inputs = GROUP, block = 22; break;
-        case SPECDEC_TILE_Q8_0: inputs = GROUP, block = 34; break;
-        default: return SPECDEC_ERR_INVALID_ARGUMENT;
-    }
-    bytes = TILE * block;
+    int64_t inputs, block; /* per block: inputs, bytes in the file */
+    if (!block_geometry(kind, &inputs, &block)) return SPECDEC_ERR_INVALID_ARGUMENT;
+    const int64_t bytes = TILE * block; /* a block's bytes in a tile (16 rows) */
     if (!raw || !out || n <= 0 || n % TILE || k <= 0 || k % inputs) return SPECDEC_ERR_INVALID_ARGUMENT;
     const int64_t blocks = k / inputs;
     if (row_stride < blocks * block) return SPECDEC_ERR_INVALID_ARGUMENT;
@@ -186,13 +191,7 @@ static void store_value(void *out, int out_bf16, int64_t i, float v) {
 int gguf_rows(const uint8_t *raw, int64_t row_stride, int64_t rows, const int64_t *ids, int64_t n, int64_t k,
               int kind, void *out, int out_bf16) {
     int64_t inputs, block;
-    switch (kind) {
-        case SPECDEC_TILE_Q4_K: inputs = SUPER, block = 144; break;
-        case SPECDEC_TILE_Q6_K: inputs = SUPER, block = 210; break;
-        case SPECDEC_TILE_Q5_0: inputs = GROUP, block = 22; break;
-        case SPECDEC_TILE_Q8_0: inputs = GROUP, block = 34; break;
-        default: return SPECDEC_ERR_INVALID_ARGUMENT;
-    }
+    if (!block_geometry(kind, &inputs, &block)) return SPECDEC_ERR_INVALID_ARGUMENT;
     if (!raw || !ids || !out || n < 0 || k <= 0 || k % inputs || row_stride < k / inputs * block)
         return SPECDEC_ERR_INVALID_ARGUMENT;
     for (int64_t r = 0; r < n; r++)
