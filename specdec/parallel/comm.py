@@ -41,8 +41,9 @@ def shm_folder() -> str:
 def shm_path() -> str:
     """A fresh path for a group's region: in /dev/shm where it exists (memory, not disk). The
     regions of drivers that died before their ranks joined (the name goes at join) are removed."""
-    sweep_stale_regions(shm_folder())
-    fd, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=shm_folder())
+    folder = shm_folder()
+    sweep_stale_regions(folder)
+    fd, path = tempfile.mkstemp(prefix=SHM_PREFIX, dir=folder)
     os.close(fd)
     return path
 

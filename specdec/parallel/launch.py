@@ -134,7 +134,7 @@ def ray_placement(world: int, cpus: float, strategy: str, timeout_s: float | Non
     timeout_s = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
     group = placement_group([{"CPU": cpus}] * (world - 1), strategy=strategy.upper())
     if not ray.wait([group.ready()], timeout=timeout_s)[0]:
-        ray.util.remove_placement_group(group)
+        remove_placement(group)
         free = ray.available_resources().get("CPU", 0)
         raise RuntimeError(f"Ray could not place {world - 1} rank(s) of {cpus:g} CPU each within {timeout_s:g} s "
                            f"({free:g} CPUs free on the cluster)")
