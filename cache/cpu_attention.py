@@ -24,7 +24,8 @@ SOURCE = Path(__file__).with_name("paged_attention.c")
 
 def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
     """The library for `level` (None: the one this machine runs; see `native.simd_kernel`)."""
-    return native.simd_kernel((SOURCE,), ("rope_write_attend", "latent_attend", "head_matmul"), level)
+    return native.simd_kernel((SOURCE,), ("rope_write_attend", "latent_attend", "head_matmul", "latent_write",
+                                          "latent_query"), level)
 
 
 # Longer windows (prefill) go to SDPA: the kernel walks the keys once per query row, which at
@@ -71,20 +72,102 @@ def supports_latent(meta: AttentionMetadata, query: torch.Tensor, cache: torch.T
     use = meta.scratch.get("cpu_latent_attention")
     if use is None:
         use = meta.scratch["cpu_latent_attention"] = bool(
-            meta.backend in ("auto", "c")
-            and query.device.type == "cpu"
-            and query.dtype == torch.bfloat16
-            and cache.device.type == "cpu"
-            and cache.dtype == torch.bfloat16
-            and kv_scale == 1.0
-            and cache.shape[-1] % 16 == 0
-            and cache.shape[-1] <= MAX_LATENT_DIM
-            and meta.max_query_len <= MAX_QUERY_LEN
-            and load_attention() is not None
+            cache.shape[-1] % 16 == 0 and meta.max_query_len <= MAX_QUERY_LEN and _latent_kernel_reads(meta, query, cache, kv_scale)
         )
         if use:  # the library for the other layers' calls (loading it reads the environment)
             meta.scratch["cpu_attention_lib"] = load_attention()
     return use
+
+
+def _latent_kernel_reads(meta: AttentionMetadata, x: torch.Tensor, cache: torch.Tensor, kv_scale: float) -> bool:
+    """What every latent kernel needs: bf16 CPU tensors, a bf16 cache stored unscaled, latents up
+    to `MAX_LATENT_DIM` wide, the C backend allowed and built."""
+    return (meta.backend in ("auto", "c") and x.device.type == "cpu" and x.dtype == torch.bfloat16
+            and cache.device.type == "cpu" and cache.dtype == torch.bfloat16 and kv_scale == 1.0
+            and cache.shape[-1] <= MAX_LATENT_DIM and load_attention() is not None)
+
+
+def writes_latent(meta: AttentionMetadata, kv_a: torch.Tensor, cache: torch.Tensor, kv_scale: float) -> bool:
+    """Whether `latent_write` writes this step's latents: bf16 CPU tensors, a bf16 cache stored
+    unscaled, the kernel built; any window length (a row's latent is its own: prefill chunks
+    write them as decode steps do). Decided by the first layer and kept in `meta.scratch`."""
+    use = meta.scratch.get("cpu_latent_write")
+    if use is None:
+        use = meta.scratch["cpu_latent_write"] = _latent_kernel_reads(meta, kv_a, cache, kv_scale)
+    return use
+
+
+def _latent_rope_descriptor(meta: AttentionMetadata, rotation, cache: torch.Tensor, num_q_heads: int):
+    """The step's latent descriptor with its rotary tables (`latent_write`, `latent_query`), made
+    once a step and kept in `meta.scratch` beside the rotation it points into (every layer's cache
+    has the first one's geometry; another rotation gets its own)."""
+    key = ("latent_rope_descriptor", tuple(cache.shape), num_q_heads)
+    kept = meta.scratch.get(key)
+    if kept is None or kept[0] is not rotation:
+        a = attention_descriptor(meta, rotation.positions, rotation.cos_table, rotation.signed_sin_table, cache,
+                                 num_q_heads, 1, latent=True)
+        meta.scratch[key] = (rotation, a)
+        return a
+    check_tensor("cache", cache, (torch.bfloat16,), key[1])
+    return kept[1]
+
+
+def _lib(meta: AttentionMetadata) -> ctypes.CDLL:
+    """The loaded kernel (the step's, where kept); `RuntimeError` saying why where it cannot run."""
+    lib = meta.scratch.get("cpu_attention_lib") or load_attention()
+    if lib is None:
+        raise RuntimeError(f"the CPU attention kernel cannot run here: {kernel().unavailable_reason()}")
+    return lib
+
+
+def latent_write(
+    kv_a: torch.Tensor,  # [T, >= D] bf16 (a strided view of a fused projection's rows is fine): c | k_rope
+    norm_weight: torch.Tensor,  # [rank] bf16 or fp32: kv_a_layernorm's
+    eps: float,
+    interleave: bool,  # k_rope's pairs interleaved (DeepSeek): laid out as halves before rope
+    rotation,  # `target.rope.Rotation`: positions and the fp32 tables [P, rope]
+    cache: torch.Tensor,  # [N, S, 1, D] bf16: the layer's latents
+    meta: AttentionMetadata,
+) -> None:
+    """Multi-head latent attention's cache write in C: each row's `[rmsnorm(c) | rope(k_rope)]`
+    into its slot (see `paged_attention.c`), row by row."""
+    rank = norm_weight.shape[0]
+    a = _latent_rope_descriptor(meta, rotation, cache, 1)
+    rope = a.d - rank
+    if rotation.cos_table.shape[-1] != rope or kv_a.dim() != 2 or kv_a.shape[0] != meta.num_tokens \
+            or kv_a.shape[1] < a.d or kv_a.stride(1) != 1 or kv_a.dtype != torch.bfloat16:
+        raise ValueError(f"latent_write: rows {list(kv_a.shape)} (strides {kv_a.stride()}) of {a.d} latent dims, "
+                         f"rank {rank}, rope tables of {rotation.cos_table.shape[-1]}")
+    check_tensor("norm_weight", norm_weight, (torch.bfloat16, torch.float32), (rank,))
+    rc = _lib(meta).latent_write(ctypes.byref(a), kv_a.data_ptr(), kv_a.stride(0), rope, int(interleave),
+                                 norm_weight.data_ptr(), norm_weight.dtype == torch.bfloat16, eps, cache.data_ptr(),
+                                 torch.get_num_threads())
+    kernel_abi.raise_for_status(rc, "latent_write")
+
+
+def latent_query(
+    q: torch.Tensor,  # [T, H * (nope + rope)] bf16, rows contiguous in their last dim
+    w_uk: torch.Tensor,  # [H, nope, rank] bf16, each head's matrix contiguous (a view of kv_b_proj's weight)
+    interleave: bool,
+    rotation,  # `target.rope.Rotation`
+    cache: torch.Tensor,  # [N, S, 1, rank + rope] bf16: the layer's latents (their geometry)
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [T, H, rank + rope] bf16
+    """The absorbed path's queries in C: per head `[q_nope . W_UK | rope(q_rope)]`, row by row
+    (see `paged_attention.c`)."""
+    heads, nope, rank = w_uk.shape
+    a = _latent_rope_descriptor(meta, rotation, cache, heads)
+    rope = a.d - rank
+    if (q.dim() != 2 or q.shape != (meta.num_tokens, heads * (nope + rope)) or q.stride(1) != 1
+            or q.dtype != torch.bfloat16 or w_uk.dtype != torch.bfloat16 or w_uk.stride()[1:] != (rank, 1)
+            or rotation.cos_table.shape[-1] != rope):
+        raise ValueError(f"latent_query: q {q.dtype} {list(q.shape)}, W_UK {w_uk.dtype} {list(w_uk.shape)} "
+                         f"strides {w_uk.stride()}, {a.d} latent dims, rope tables of {rotation.cos_table.shape[-1]}")
+    query = q.new_empty(meta.num_tokens, heads, a.d)
+    rc = _lib(meta).latent_query(ctypes.byref(a), q.data_ptr(), q.stride(0), nope, rope, int(interleave),
+                                 w_uk.data_ptr(), w_uk.stride(0), query.data_ptr(), torch.get_num_threads())
+    kernel_abi.raise_for_status(rc, "latent_query")
+    return query
 
 
 def latent_attend(
@@ -107,11 +190,8 @@ def latent_attend(
     check_tensor("query", query, (torch.bfloat16,), (meta.num_tokens, num_q_heads, dim))
     if dim != a.d or value_dim % 16 or not 0 < value_dim <= min(dim, MAX_HEAD_DIM):
         raise ValueError(f"latent_attend: queries of {dim} dims, latents of {a.d}, values of {value_dim}")
-    lib = meta.scratch.get("cpu_attention_lib") or load_attention()
-    if lib is None:
-        raise RuntimeError(f"the CPU attention kernel cannot run here: {kernel().unavailable_reason()}")
     out = query.new_empty(num_tokens, num_q_heads, value_dim)
-    rc = lib.latent_attend(ctypes.byref(a), query.data_ptr(), cache.data_ptr(), value_dim, scale, out.data_ptr(),
+    rc = _lib(meta).latent_attend(ctypes.byref(a), query.data_ptr(), cache.data_ptr(), value_dim, scale, out.data_ptr(),
                            torch.get_num_threads())
     kernel_abi.raise_for_status(rc, "latent_attend")
     return out
@@ -163,11 +243,8 @@ def rope_write_attend(
     a = attention_descriptor(meta, positions, cos, signed_sin, k_cache, num_q_heads, num_kv_heads)
     check_tensor("qkv", qkv, (torch.bfloat16,), (meta.num_tokens, (num_q_heads + 2 * num_kv_heads) * a.d))
     check_tensor("v_cache", v_cache, (torch.bfloat16,), tuple(k_cache.shape))
-    lib = meta.scratch.get("cpu_attention_lib") or load_attention()
-    if lib is None:
-        raise RuntimeError(f"the CPU attention kernel cannot run here: {kernel().unavailable_reason()}")
     out = qkv.new_empty(qkv.shape[0], num_q_heads * a.d)
-    rc = lib.rope_write_attend(
+    rc = _lib(meta).rope_write_attend(
         ctypes.byref(a), qkv.data_ptr(), qkv.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), scale,
         out.data_ptr(), torch.get_num_threads(),
     )
@@ -206,7 +283,9 @@ def attention_descriptor(
         if cos is None or signed_sin is None:
             raise ValueError("rope needs the cos and signed_sin tables with positions")
         check_tensor("positions", positions, (torch.int64,), (t,))
-        check_tensor("cos", cos, (torch.float32,), (cos.shape[0], head_dim))
+        # latents rotate their last cos.shape[-1] dims (the key's rope part); heads all of theirs
+        width = cos.shape[-1] if latent and cos.dim() == 2 and 0 < cos.shape[-1] < head_dim else head_dim
+        check_tensor("cos", cos, (torch.float32,), (cos.shape[0], width))
         check_tensor("signed_sin", signed_sin, (torch.float32,), tuple(cos.shape))
     return kernel_abi.Attention(
         positions=positions.data_ptr() if rope else None, cos=cos.data_ptr() if rope else None,

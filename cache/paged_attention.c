@@ -242,6 +242,26 @@ int latent_attend(const struct specdec_attention *a, const uint16_t *q, const ui
     return SPECDEC_OK;
 }
 
+/* One row of one head of MLA's per-head products (see head_matmul): acc [n] fp32 = x [k] . W, W bf16
+ * [k, n] (transposed 0: acc[:] = sum over i ascending of x[i] * W[i][:]) or [n, k] (transposed 1:
+ * acc[j] = dot(x, W[j])). n and k multiples of 16. */
+static void head_row(const void *x, int x_bf16, int64_t xi, int64_t k, int64_t n, const uint16_t *wh, int transposed,
+                     float *acc) {
+    if (!transposed) {
+        for (int64_t j = 0; j < n; j += 16) vf_store(acc + j, vf_zero());
+        for (int64_t i = 0; i < k; i++) {
+            const vf xv = vf_set1(load_float(x, x_bf16, xi + i));
+            for (int64_t j = 0; j < n; j += 16) vf_store(acc + j, vf_fmadd(xv, vf_load_bf16(wh + i * n + j), vf_load(acc + j)));
+        }
+    } else {
+        for (int64_t j = 0; j < n; j++) {
+            vf dot = vf_zero();
+            for (int64_t i = 0; i < k; i += 16) dot = vf_fmadd(load_floats(x, x_bf16, xi + i), vf_load_bf16(wh + j * k + i), dot);
+            acc[j] = vf_reduce_add(dot);
+        }
+    }
+}
+
 /* MLA's per-head products around the absorbed attention, one head's weights read once for all
  * the call's rows: out[t][h] = x[t][h] . W[h] with x [T, H, k] and out [T, H, n] (bf16 or fp32 as
  * the flags say) and W bf16, head h's matrix at w + h * w_head_stride:
@@ -257,28 +277,105 @@ int head_matmul(const void *x, int x_bf16, int64_t t, int64_t heads, int64_t k, 
         return SPECDEC_ERR_INVALID_ARGUMENT;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t h = 0; h < heads; h++) {
-        const uint16_t *wh = w + h * w_head_stride;
         float acc[SPECDEC_MAX_LATENT_DIM];
         for (int64_t r = 0; r < t; r++) {
-            const int64_t xi = (r * heads + h) * k, oi = (r * heads + h) * n;
-            if (!transposed) {
-                for (int64_t j = 0; j < n; j += 16) vf_store(acc + j, vf_zero());
-                for (int64_t i = 0; i < k; i++) {
-                    const vf xv = vf_set1(load_float(x, x_bf16, xi + i));
-                    for (int64_t j = 0; j < n; j += 16)
-                        vf_store(acc + j, vf_fmadd(xv, vf_load_bf16(wh + i * n + j), vf_load(acc + j)));
-                }
-            } else {
-                for (int64_t j = 0; j < n; j++) {
-                    vf dot = vf_zero();
-                    for (int64_t i = 0; i < k; i += 16) dot = vf_fmadd(load_floats(x, x_bf16, xi + i), vf_load_bf16(wh + j * k + i), dot);
-                    acc[j] = vf_reduce_add(dot);
-                }
-            }
+            const int64_t oi = (r * heads + h) * n;
+            head_row(x, x_bf16, (r * heads + h) * k, k, n, w + h * w_head_stride, transposed, acc);
             for (int64_t j = 0; j < n; j += 16) {
                 if (out_bf16) vf_store_bf16((uint16_t *)out + oi + j, vf_load(acc + j));
                 else vf_store((float *)out + oi + j, vf_load(acc + j));
             }
+        }
+    }
+    return SPECDEC_OK;
+}
+
+/* x [r] bf16 -> out [r] bf16 rotated by one position's tables (fp32 [r], signed_sin = [-sin, sin]),
+ * neox halves, as apply_rope does in bf16 (each product and the sum rounded); with `interleave`,
+ * x's pairs (x0, x1), (x2, x3), ... are first laid out as halves [x0, x2, ... | x1, x3, ...]
+ * (DeepSeek's rope, as the model's `_deinterleave`). Scalar: any even r. */
+static void rope_row(const uint16_t *x, int64_t r, int interleave, const float *cos, const float *signed_sin,
+                     uint16_t *out) {
+    const int64_t half = r / 2;
+    float v[SPECDEC_MAX_HEAD_DIM];
+    for (int64_t j = 0; j < half; j++) {
+        v[j] = load_float(x, 1, interleave ? 2 * j : j);
+        v[half + j] = load_float(x, 1, interleave ? 2 * j + 1 : half + j);
+    }
+    for (int64_t j = 0; j < r; j++) {
+        const float c = rounded_bf16(cos[j]), s = rounded_bf16(signed_sin[j]);
+        out[j] = to_bf16(rounded_bf16(v[j] * c) + rounded_bf16(v[j < half ? j + half : j - half] * s));
+    }
+}
+
+/* The rows' positions (against the rotary tables) and slots (against the cache), for the latent
+ * kernels that rotate or write: SPECDEC_OK, SPECDEC_ERR_POSITION or SPECDEC_ERR_SLOT. */
+static int check_rows(const struct specdec_attention *a, int64_t num_rows) {
+    for (int64_t t = 0; t < num_rows; t++) {
+        if (a->positions[t] < 0 || a->positions[t] >= a->num_positions) return SPECDEC_ERR_POSITION;
+        if (a->slots[t] < 0 || a->slots[t] >= a->num_slots) return SPECDEC_ERR_SLOT;
+    }
+    return SPECDEC_OK;
+}
+
+/* Multi-head latent attention's cache write: row t of kv_a [T, row_stride] bf16 holds the latent c
+ * (rank = a->d - rope_dim) and the key's rope part (rope_dim); its slot gets [rmsnorm(c) | rope(k)]:
+ * c normalised in fp32 (x * 1 / sqrt(mean(x^2) + eps)), rounded to bf16, times the weight [rank]
+ * (bf16 or fp32, norm_bf16) and rounded again, as the model's RMSNorm does; k rotated by the row's
+ * position (a->cos / a->signed_sin are [num_positions, rope_dim]; `interleave` as rope_row). T is
+ * the descriptor's row count. Returns SPECDEC_OK or the status saying what is out of range. */
+int latent_write(const struct specdec_attention *a, const uint16_t *kv_a, int64_t row_stride, int64_t rope_dim,
+                 int interleave, const void *norm_w, int norm_bf16, float eps, uint16_t *cache, int threads) {
+    const int64_t d = a->d, rank = d - rope_dim;
+    if (!kv_a || !cache || !norm_w || !a->positions || !a->cos || !a->signed_sin || !a->slots || !a->query_start_loc ||
+        a->num_seqs < 0 || rope_dim <= 0 || rope_dim % 2 || rope_dim > SPECDEC_MAX_HEAD_DIM || rank <= 0 ||
+        row_stride < d || a->hkv != 1)
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+    const int64_t num_rows = a->query_start_loc[a->num_seqs];
+    const int rc = check_rows(a, num_rows);
+    if (rc != SPECDEC_OK) return rc;
+#pragma omp parallel for num_threads(threads) schedule(static) if (num_rows > 1)
+    for (int64_t t = 0; t < num_rows; t++) {
+        const uint16_t *x = kv_a + t * row_stride;
+        uint16_t *slot = cache + a->slots[t] * d;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < rank; i++) sum += load_float(x, 1, i) * load_float(x, 1, i);
+        const float inv = 1.0f / sqrtf(sum / (float)rank + eps);
+        for (int64_t i = 0; i < rank; i++)
+            slot[i] = to_bf16(load_float(norm_w, norm_bf16, i) * rounded_bf16(load_float(x, 1, i) * inv));
+        const int64_t p = a->positions[t] * rope_dim;
+        rope_row(x + rank, rope_dim, interleave, a->cos + p, a->signed_sin + p, slot + rank);
+    }
+    return SPECDEC_OK;
+}
+
+/* Multi-head latent attention's absorbed queries: row t of q [T, row_stride] bf16 holds a->hq
+ * heads of [q_nope (nope) | q_rope (rope_dim)]; query [T, hq, a->d] bf16 gets, per head,
+ * [q_nope . W_UK[h] | rope(q_rope)]: W_UK[h] [nope, rank] bf16 at w_uk + h * w_head_stride (rank =
+ * a->d - rope_dim), products as head_matmul's (transposed 0), rope as latent_write's. Returns
+ * SPECDEC_OK or the status saying what is out of range. */
+int latent_query(const struct specdec_attention *a, const uint16_t *q, int64_t row_stride, int64_t nope,
+                 int64_t rope_dim, int interleave, const uint16_t *w_uk, int64_t w_head_stride, uint16_t *query,
+                 int threads) {
+    const int64_t d = a->d, rank = d - rope_dim, heads = a->hq;
+    if (!q || !w_uk || !query || !a->positions || !a->cos || !a->signed_sin || !a->slots || !a->query_start_loc ||
+        a->num_seqs < 0 || heads <= 0 || nope <= 0 || nope % 16 || rope_dim <= 0 || rope_dim % 2 ||
+        rope_dim > SPECDEC_MAX_HEAD_DIM || rank <= 0 || rank % 16 || rank > SPECDEC_MAX_LATENT_DIM ||
+        row_stride < heads * (nope + rope_dim) || w_head_stride < nope * rank)
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+    const int64_t num_rows = a->query_start_loc[a->num_seqs];
+    const int rc = check_rows(a, num_rows);
+    if (rc != SPECDEC_OK) return rc;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t h = 0; h < heads; h++) {
+        float acc[SPECDEC_MAX_LATENT_DIM];
+        for (int64_t t = 0; t < num_rows; t++) {
+            const uint16_t *x = q + t * row_stride + h * (nope + rope_dim);
+            uint16_t *out = query + (t * heads + h) * d;
+            head_row(x, 1, 0, nope, rank, w_uk + h * w_head_stride, 0, acc);
+            for (int64_t j = 0; j < rank; j += 16) vf_store_bf16(out + j, vf_load(acc + j));
+            const int64_t p = a->positions[t] * rope_dim;
+            rope_row(x + nope, rope_dim, interleave, a->cos + p, a->signed_sin + p, out + rank);
         }
     }
     return SPECDEC_OK;

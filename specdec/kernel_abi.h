@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 7
+#define SPECDEC_ABI_VERSION 8
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_SUPER 256         /* qgemm: inputs per k-quant super-block */
@@ -53,13 +53,26 @@ struct specdec_moe {
     int64_t num_experts, top_k, hidden, router_bf16, norm_topk;
 };
 
+/* A layer's multi-head latent attention (DeepSeek-V2/V3; see decoder_layers): the layer's `qkv`
+ * projects to [q or its low-rank first half | latent | key rope part]. The heads, the latent's
+ * width (rank + rope_dim) and the cache are the step's specdec_attention's (hkv 1). */
+struct specdec_mla {
+    struct specdec_linear q_b;         /* the query's second half; in_features 0: `qkv` holds q whole */
+    const void *q_a_norm, *kv_a_norm;  /* RMSNorm weights [q_b.in_features], [rank]: norm_bf16's dtype */
+    const uint16_t *kv_b;              /* [hq, nope + v, rank] bf16: W_UK | W_UV of each head */
+    int64_t nope_dim, rope_dim, v_dim, interleave;
+    float eps;                         /* the two norms' */
+};
+
 /* One decoder layer's linears and RMSNorm weights [H] (dtype per decoder_layers' norm_bf16);
- * with `moe` set, the MLP is that block and gate_up / down are unused. */
+ * with `moe` set, the MLP is that block and gate_up / down are unused; with `mla` set, the
+ * attention is multi-head latent attention (`qkv` its first projection). */
 struct specdec_layer {
     struct specdec_linear qkv, o, gate_up, down;
     const void *input_norm, *post_attention_norm;
     const struct specdec_moe *moe; /* NULL: the dense MLP */
     const void *q_norm, *k_norm;   /* [D]: RMSNorm over each head of q and k before rope (Qwen3); NULL: none */
+    const struct specdec_mla *mla; /* NULL: grouped-query attention */
 };
 
 /* One step's rotary tables and paged-cache geometry: everything rope_write_attend takes but a
@@ -113,6 +126,11 @@ int latent_attend(const struct specdec_attention *a, const uint16_t *q, const ui
                   float scale, uint16_t *out, int threads);
 int head_matmul(const void *x, int x_bf16, int64_t t, int64_t heads, int64_t k, int64_t n, const uint16_t *w,
                 int64_t w_head_stride, int transposed, void *out, int out_bf16, int threads);
+int latent_write(const struct specdec_attention *a, const uint16_t *kv_a, int64_t row_stride, int64_t rope_dim,
+                 int interleave, const void *norm_w, int norm_bf16, float eps, uint16_t *cache, int threads);
+int latent_query(const struct specdec_attention *a, const uint16_t *q, int64_t row_stride, int64_t nope,
+                 int64_t rope_dim, int interleave, const uint16_t *w_uk, int64_t w_head_stride, uint16_t *query,
+                 int threads);
 
 /* target/quant/moe.c (built with qgemm.c) */
 int moe_block(const void *x, int x_bf16, int64_t m, const struct specdec_moe *e, const void *norm_w, int norm_bf16,

@@ -14,7 +14,7 @@ import enum
 
 import torch
 
-ABI_VERSION = 7  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 8  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 SUPER = 256  # SPECDEC_SUPER: inputs per k-quant super-block
@@ -102,13 +102,22 @@ class Moe(ctypes.Structure):
                 ("router_bf16", _I64), ("norm_topk", _I64)]
 
 
+class Mla(ctypes.Structure):
+    """`struct specdec_mla`: a layer's multi-head latent attention past its first projection."""
+
+    c_name = "specdec_mla"
+    _fields_ = [("q_b", Linear), ("q_a_norm", _P), ("kv_a_norm", _P), ("kv_b", _P), ("nope_dim", _I64),
+                ("rope_dim", _I64), ("v_dim", _I64), ("interleave", _I64), ("eps", _F)]
+
+
 class Layer(ctypes.Structure):
-    """`struct specdec_layer`: one decoder layer's linears and RMSNorm weights, or its MoE block."""
+    """`struct specdec_layer`: one decoder layer's linears and RMSNorm weights, or its MoE block,
+    and its latent attention."""
 
     c_name = "specdec_layer"
     _fields_ = [("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
                 ("input_norm", _P), ("post_attention_norm", _P), ("moe", ctypes.POINTER(Moe)),
-                ("q_norm", _P), ("k_norm", _P)]
+                ("q_norm", _P), ("k_norm", _P), ("mla", ctypes.POINTER(Mla))]
 
 
 class Attention(ctypes.Structure):
@@ -137,7 +146,7 @@ class AbiEntry(ctypes.Structure):
     _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("offset", _I64), ("size", _I64)]
 
 
-STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Moe, Layer, Attention, Group, AbiEntry)
+STRUCTURES: tuple[type[ctypes.Structure], ...] = (Linear, Moe, Mla, Layer, Attention, Group, AbiEntry)
 CONSTANTS = {"SPECDEC_GROUP": GROUP, "SPECDEC_TILE": TILE, "SPECDEC_SUPER": SUPER,
              "SPECDEC_TILE_Q4_K": TILE_Q4_K, "SPECDEC_TILE_Q6_K": TILE_Q6_K, "SPECDEC_TILE_Q5_0": TILE_Q5_0,
              "SPECDEC_TILE_Q8_0": TILE_Q8_0, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
@@ -155,6 +164,10 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "latent_attend": (_I, [ctypes.POINTER(Attention), _P, _P, _I64, _F, _P, _I]),
     # x, x_bf16, t, heads, k, n, w, w_head_stride, transposed, out, out_bf16, threads
     "head_matmul": (_I, [_P, _I, _I64, _I64, _I64, _I64, _P, _I64, _I, _P, _I, _I]),
+    # a, kv_a, row_stride, rope_dim, interleave, norm_w, norm_bf16, eps, cache, threads
+    "latent_write": (_I, [ctypes.POINTER(Attention), _P, _I64, _I64, _I, _P, _I, _F, _P, _I]),
+    # a, q, row_stride, nope, rope_dim, interleave, w_uk, w_head_stride, query, threads
+    "latent_query": (_I, [ctypes.POINTER(Attention), _P, _I64, _I64, _I64, _I, _P, _I64, _P, _I]),
     # x, x_bf16, m, block, norm_w, norm_bf16, eps, residual, y, expert_ids, threads
     "moe_block": (_I, [_P, _I, _I64, ctypes.POINTER(Moe), _P, _I, _F, _P, _P, _P, _I]),
     # h, num_rows, layers, num_layers, norm_bf16, eps, a, kv, scale, qkv, att, gate_up, expert_ids,

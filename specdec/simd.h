@@ -180,4 +180,16 @@ static inline vf load_floats(const void *p, int bf16, int64_t i) {
     return bf16 ? vf_load_bf16((const uint16_t *)p + i) : vf_load((const float *)p + i);
 }
 
+/* One fp32 value rounded to bf16 (to nearest even, as torch casts), as bits and as fp32. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float rounded_bf16(float f) {
+    const uint16_t b = to_bf16(f);
+    return load_float(&b, 1, 0);
+}
+
 #endif

@@ -171,8 +171,10 @@ class ModelConfig:
 
     def c_loop_differences(self) -> list[str]:
         """What in this model's layers the C layer loop (`decoder.c`) does not implement: Llama's
-        layer plus per-head q/k norms (Qwen3, Qwen3-MoE) and MoE blocks."""
-        return [d for d in self.llama_layer_differences() if d != "q/k norms"]
+        layer plus per-head q/k norms (Qwen3, Qwen3-MoE), MoE blocks and multi-head latent
+        attention (DeepSeek-V2/V3, whose query scale the loop takes too)."""
+        taken = {"q/k norms"} | ({"multi-head latent attention", "query scale"} if self.mla is not None else set())
+        return [d for d in self.llama_layer_differences() if d not in taken]
 
     def unquantized_reason(self) -> str | None:
         """Why this family runs unquantized by default (`family_quant`); None where the quantized

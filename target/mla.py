@@ -15,10 +15,13 @@ in exact arithmetic:
   result. Nothing is decompressed; the cache is read once for all heads.
 
 A step whose longest window has more than `NAIVE_MIN_QUERY_LEN` - 1 rows takes the naive path,
-others the absorbed one: in C where it runs (`cpu_attention.head_matmul` for `W_UK`, `latent_attend`,
-`head_matmul` for `W_UV`: every row computed alone, in a fixed order), else in torch (products in
-fp32). `kv_b_proj` stays dense (`keep_dense`): the absorbed path reads it as per-head matrices,
-not as a linear.
+others the absorbed one: in C where it runs (`cpu_attention.latent_query`: `W_UK` and the query's
+rope, `latent_attend`, `head_matmul` for `W_UV`: every row computed alone, in a fixed order),
+else in torch (products in fp32). On bf16 CPU caches the latents are normalised, rotated and
+written in C on both paths (`latent_write`), so a token's latent does not depend on its step.
+The C layer loop (`decoder.c`) makes the same calls for a whole bf16 step of absorbed windows.
+`kv_b_proj` stays dense (`keep_dense`): the absorbed path reads it as per-head matrices, not as
+a linear.
 """
 
 from __future__ import annotations
@@ -102,19 +105,26 @@ class LatentAttention(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         mla, t, heads = self.mla, x.shape[0], self.num_heads
         q, kv_a = self._project(x, norm)
-        q_nope, q_rope = q.reshape(t, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        c, k_rope = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        if mla.rope_interleave:  # pairs (0, 1), (2, 3), ... -> halves, for queries and keys alike
-            q_rope, k_rope = _deinterleave(q_rope), _deinterleave(k_rope)
-        cos, sin = rotation.cos_sin
-        q_rope = apply_rope(q_rope, cos, sin)  # [T, H, R]
-        latent = torch.cat([self.kv_a_layernorm(c), apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)], dim=-1)
         k_cache, v_cache = kv_cache.layer(layer_idx)  # latents [N, S, 1, rank + R] and their first rank dims
-        write_latent(latent.unsqueeze(1), k_cache, meta.slot_mapping, kv_cache.k_scale)
-        if meta.max_query_len >= NAIVE_MIN_QUERY_LEN:
-            out = self.naive(q_nope, q_rope, k_cache, kv_cache.k_scale, meta)
+        cos, sin = rotation.cos_sin
+        if cpu_attention.writes_latent(meta, kv_a, k_cache, kv_cache.k_scale):  # norm, rope, write in C
+            cpu_attention.latent_write(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, mla.rope_interleave,
+                                       rotation, k_cache, meta)
         else:
-            out = self.absorbed(q_nope, q_rope, k_cache, v_cache, kv_cache.k_scale, meta)
+            c, k_rope = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+            k_rope = _deinterleave(k_rope) if mla.rope_interleave else k_rope
+            latent = torch.cat([self.kv_a_layernorm(c), apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)], dim=-1)
+            write_latent(latent.unsqueeze(1), k_cache, meta.slot_mapping, kv_cache.k_scale)
+        absorbed = meta.max_query_len < NAIVE_MIN_QUERY_LEN
+        if absorbed and cpu_attention.supports_latent(meta, q, k_cache, kv_cache.k_scale):  # the whole path in C
+            out = self.absorbed_in_c(q, rotation, k_cache, meta)
+        else:
+            q_nope, q_rope = q.reshape(t, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], -1)
+            if mla.rope_interleave:  # pairs (0, 1), (2, 3), ... -> halves, as the keys' were
+                q_rope = _deinterleave(q_rope)
+            q_rope = apply_rope(q_rope, cos, sin)  # [T, H, R]
+            out = (self.absorbed(q_nope, q_rope, k_cache, v_cache, kv_cache.k_scale, meta) if absorbed
+                   else self.naive(q_nope, q_rope, k_cache, kv_cache.k_scale, meta))
         return plus_linear(residual, self.o_proj, out.reshape(t, heads * mla.v_head_dim))
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,6 +132,20 @@ class LatentAttention(nn.Module):
         mla = self.mla
         w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         return w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim :]
+
+    def absorbed_in_c(
+        self,
+        q: torch.Tensor,  # [T, H * qk_head_dim]: q_nope | q_rope per head, not rotated
+        rotation: Rotation,
+        k_cache: torch.Tensor,  # [N, S, 1, rank + R], this step's latents written
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, v]
+        """The absorbed path in C, row by row (`latent_query`, `latent_attend`, `head_matmul`):
+        the calls `decoder.c` makes for the layer, so the C layer loop gives the same bits."""
+        w_uk, w_uv = self._w_uk_uv()
+        query = cpu_attention.latent_query(q, w_uk, self.mla.rope_interleave, rotation, k_cache, meta)
+        out = cpu_attention.latent_attend(query, k_cache, self.mla.kv_lora_rank, meta, self.scale)  # [T, H, rank]
+        return cpu_attention.head_matmul(out, w_uv, transposed=True, lib=meta.scratch.get("cpu_attention_lib"))
 
     def absorbed(
         self,
@@ -133,14 +157,8 @@ class LatentAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H, v]
         """Attention over the latents as keys and values, `W_UK` folded into the queries and `W_UV`
-        applied after."""
+        applied after, in torch (products in fp32)."""
         w_uk, w_uv = self._w_uk_uv()
-        if cpu_attention.supports_latent(meta, q_rope, k_cache, kv_scale):  # the whole path in C, row by row
-            lib = meta.scratch.get("cpu_attention_lib")
-            q_lat = cpu_attention.head_matmul(q_nope.contiguous(), w_uk, transposed=False, lib=lib)  # [T, H, rank]
-            query = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + R]
-            out = cpu_attention.latent_attend(query, k_cache, self.mla.kv_lora_rank, meta, self.scale)
-            return cpu_attention.head_matmul(out, w_uv, transposed=True, lib=lib)  # [T, H, v]
         dtype = q_nope.dtype  # products in fp32 (a bf16 bmm is ~20x slower on CPUs without bf16 units)
         q_lat = torch.bmm(q_nope.float().transpose(0, 1), w_uk.float()).transpose(0, 1).to(dtype)  # [T, H, rank]
         query = torch.cat([q_lat, q_rope], dim=-1)  # [T, H, rank + R]

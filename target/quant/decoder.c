@@ -11,6 +11,8 @@
  *         gate | up = gate_up_proj(rmsnorm(h))       qgemm, norm fused
  *     or, in a mixture-of-experts layer,
  *   h   = h + moe(rmsnorm(h))                        moe_block (router, experts, shared expert)
+ * A layer with multi-head latent attention (`mla`, DeepSeek-V2/V3) attends as the model's
+ * absorbed path does (`latent_attention` below) in place of the three attention lines.
  * These are the calls the Python layer loop makes (`LlamaForCausalLM` with `QLinear` layers), with
  * the same arguments in the same order, so the result is bitwise the same; what goes away is the
  * Python between them (~2 ms a step, 13% of a draft forward).
@@ -30,17 +32,6 @@
 
 #include "kernel_abi.h"
 #include "simd.h"
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch casts */
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float rounded_bf16(float f) { /* f rounded to bf16, as fp32 */
-    const uint16_t b = to_bf16(f);
-    return load_float(&b, 1, 0);
-}
 
 /* Qwen3's q/k norms on qkv [T, (Hq + 2 Hkv) D] bf16, in place: each head of q and of k RMS-normalised
  * in fp32, rounded to bf16, then scaled by its weight [D] and rounded again (the model's RMSNorm:
@@ -132,9 +123,58 @@ static int split_linear(const uint16_t *x, int64_t num_rows, int glu, const stru
                                  out, h, threads);
 }
 
+/* A multi-head latent attention layer on h [T, H] bf16, in place (the model's `LatentAttention`,
+ * absorbed path, with the same kernel calls in the same order, so the same bits):
+ *   qa     = qkv_proj(rmsnorm(h))                    [q or q_a | c | k_rope]; qgemm, norm fused
+ *   q      = q_b(rmsnorm(q_a)) or q                  qgemm, norm fused
+ *   cache[slot] = [rmsnorm(c) | rope(k_rope)]        latent_write
+ *   query  = [q_nope . W_UK | rope(q_rope)]          latent_query
+ *   lat    = attend(query, latents)                  latent_attend
+ *   h      = h + o_proj(lat . W_UV)                  head_matmul, qgemm with the residual fused
+ * Scratch `buf` [T, qkv.out + q_lora + hq (nope + rope) + hq d + hq rank] and att [T, hq v], bf16. */
+static int latent_attention(uint16_t *h, int64_t num_rows, const struct specdec_layer *l, int norm_bf16, float eps,
+                            const struct specdec_attention *a, uint16_t *cache, float scale, uint16_t *buf,
+                            uint16_t *att, int threads) {
+    const struct specdec_mla *m = l->mla;
+    const struct specdec_linear *qa_l = &l->qkv, *qb = &m->q_b, *o = &l->o;
+    const int64_t heads = a->hq, d = a->d, rank = d - m->rope_dim, qk = m->nope_dim + m->rope_dim;
+    const int64_t qa_w = qa_l->out_features, q_lora = qb->in_features, q_w = q_lora ? q_lora : heads * qk;
+    if (qa_w != q_w + d || a->hkv != 1 || m->v_dim % 16 || (q_lora && qb->out_features != heads * qk))
+        return SPECDEC_ERR_INVALID_ARGUMENT;
+    uint16_t *qa = buf, *q_low = qa + num_rows * qa_w, *q = q_low + num_rows * q_lora, *query = q + num_rows * heads * qk;
+    uint16_t *lat = query + num_rows * heads * d;
+    int rc = qgemm(h, 1, num_rows, qa_l->in_features, 0, qa_l->tiles, qa_l->tile_offsets, qa_l->tile_bits, qa_w,
+                   qa_l->bias, NULL, qa, 1, l->input_norm, norm_bf16, eps, threads);
+    if (rc != SPECDEC_OK) return rc;
+    int64_t q_stride = qa_w;
+    if (q_lora) {
+        for (int64_t r = 0; r < num_rows; r++)
+            for (int64_t i = 0; i < q_lora; i++) q_low[r * q_lora + i] = qa[r * qa_w + i];
+        rc = qgemm(q_low, 1, num_rows, q_lora, 0, qb->tiles, qb->tile_offsets, qb->tile_bits, qb->out_features,
+                   qb->bias, NULL, q, 1, m->q_a_norm, norm_bf16, m->eps, threads);
+        if (rc != SPECDEC_OK) return rc;
+        q_stride = heads * qk;
+    } else {
+        q = qa;
+    }
+    rc = latent_write(a, qa + q_w, qa_w, m->rope_dim, (int)m->interleave, m->kv_a_norm, norm_bf16, m->eps, cache, threads);
+    if (rc != SPECDEC_OK) return rc;
+    const int64_t w_head = (m->nope_dim + m->v_dim) * rank; /* kv_b's rows of one head */
+    rc = latent_query(a, q, q_stride, m->nope_dim, m->rope_dim, (int)m->interleave, m->kv_b, w_head, query, threads);
+    if (rc != SPECDEC_OK) return rc;
+    rc = latent_attend(a, query, cache, rank, scale, lat, threads);
+    if (rc != SPECDEC_OK) return rc;
+    rc = head_matmul(lat, 1, num_rows, heads, rank, m->v_dim, m->kv_b + m->nope_dim * rank, w_head, 1, att, 1, threads);
+    if (rc != SPECDEC_OK) return rc;
+    return qgemm(att, 1, num_rows, o->in_features, 0, o->tiles, o->tile_offsets, o->tile_bits, o->out_features, o->bias,
+                 h, h, 1, NULL, 0, 0.0f, threads);
+}
+
 /* h [T, H] bf16 through `num_layers` layers, in place. kv: the cache [L, 2, N, S, Hkv, D] bf16
  * (a->num_slots = N * S). Scratch: qkv [T, (Hq + 2 Hkv) D], att [T, Hq D], gate_up [T, 2 I], all
- * bf16. A layer with `moe` runs its MLP as moe_block, which writes the rows' experts into
+ * bf16 (a model of latent attention layers: the cache [L, N, S, 1, d], a->d = rank + rope, and
+ * qkv as latent_attention's `buf`, att [T, hq v]). A layer with `moe` runs its MLP as moe_block,
+ * which writes the rows' experts into
  * expert_ids [L, T, top_k] (NULL: not kept). With `group` (a tensor-parallel rank; NULL: none)
  * o_proj and down_proj go through `partial` (split_linear) and group_allreduce; MoE layers are
  * not split. Returns SPECDEC_OK or the first failing call's status. */
@@ -145,20 +185,27 @@ int decoder_layers(uint16_t *h, int64_t num_rows, const struct specdec_layer *la
     if (!h || !layers || !a || !kv || !qkv || !att || !gate_up || num_rows < 0 || num_layers < 0 || top_k < 0 ||
         (group && !partial))
         return SPECDEC_ERR_INVALID_ARGUMENT;
-    const int64_t layer_elems = a->num_slots * a->hkv * a->d; /* one of K or V of one layer */
+    const int64_t layer_elems = a->num_slots * a->hkv * a->d; /* one of K or V (or the latents) of one layer */
+    const int64_t planes = num_layers && layers[0].mla ? 1 : 2;
     for (int64_t i = 0; i < num_layers; i++) {
         const struct specdec_layer *l = &layers[i];
         const struct specdec_linear *q = &l->qkv, *o = &l->o, *gu = &l->gate_up, *dn = &l->down;
-        int rc = qgemm(h, 1, num_rows, q->in_features, 0, q->tiles, q->tile_offsets, q->tile_bits,
-                       q->out_features, q->bias, NULL, qkv, 1, l->input_norm, norm_bf16, eps, threads);
-        if (rc != SPECDEC_OK) return rc;
-        if (l->q_norm && l->k_norm) head_norms(qkv, num_rows, a->hq, a->hkv, a->d, l->q_norm, l->k_norm, norm_bf16, eps, threads);
-        uint16_t *k_cache = kv + 2 * i * layer_elems, *v_cache = k_cache + layer_elems;
-        rc = rope_write_attend(a, qkv, q->out_features, k_cache, v_cache, scale, att, threads);
-        if (rc != SPECDEC_OK) return rc;
-        rc = group ? split_linear(att, num_rows, 0, o, group, partial, h, threads)
-                   : qgemm(att, 1, num_rows, o->in_features, 0, o->tiles, o->tile_offsets, o->tile_bits,
-                           o->out_features, o->bias, h, h, 1, NULL, 0, 0.0f, threads);
+        uint16_t *k_cache = kv + planes * i * layer_elems, *v_cache = k_cache + layer_elems;
+        int rc;
+        if (l->mla || planes == 1) {
+            if (!l->mla || group) return SPECDEC_ERR_INVALID_ARGUMENT; /* all latent or none; not split */
+            rc = latent_attention(h, num_rows, l, norm_bf16, eps, a, k_cache, scale, qkv, att, threads);
+        } else {
+            rc = qgemm(h, 1, num_rows, q->in_features, 0, q->tiles, q->tile_offsets, q->tile_bits, q->out_features,
+                       q->bias, NULL, qkv, 1, l->input_norm, norm_bf16, eps, threads);
+            if (rc != SPECDEC_OK) return rc;
+            if (l->q_norm && l->k_norm) head_norms(qkv, num_rows, a->hq, a->hkv, a->d, l->q_norm, l->k_norm, norm_bf16, eps, threads);
+            rc = rope_write_attend(a, qkv, q->out_features, k_cache, v_cache, scale, att, threads);
+            if (rc != SPECDEC_OK) return rc;
+            rc = group ? split_linear(att, num_rows, 0, o, group, partial, h, threads)
+                       : qgemm(att, 1, num_rows, o->in_features, 0, o->tiles, o->tile_offsets, o->tile_bits,
+                               o->out_features, o->bias, h, h, 1, NULL, 0, 0.0f, threads);
+        }
         if (rc != SPECDEC_OK) return rc;
         if (l->moe) {
             if (group) return SPECDEC_ERR_INVALID_ARGUMENT;

@@ -53,7 +53,7 @@ def test_configs_read_latent_attention_and_deepseek_routing():
     assert (grouped.num_groups, grouped.topk_groups, grouped.group_score) == (4, 2, "max") and not grouped.plain_routing
     v3 = ModelConfig.from_hf(mla_hf_config("v3"))
     assert (v3.moe.scoring, v3.moe.score_bias, v3.moe.group_score, v3.moe.routed_scaling) == ("sigmoid", True, "top2", 2.5)
-    assert v3.mla.q_lora_rank == 32 and "multi-head latent attention" in v3.c_loop_differences()
+    assert v3.mla.q_lora_rank == 32 and v3.c_loop_differences() == []  # decoder.c runs latent layers
     assert not ModelConfig.from_hf(mla_hf_config("v3-plain-rope")).mla.rope_interleave
     assert v2.query_scale == pytest.approx(48**-0.5)
     yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0,
@@ -276,3 +276,130 @@ def test_deepseek_v2_experts_and_ungated_shared_experts_run_on_the_expert_kernel
     block.kernel = kernel
     assert (out.float() - torch_out.float()).abs().max().item() < 0.05 * torch_out.float().abs().max().item()
     assert quantized("v3").model.layers[1].mlp.kernel is None
+
+
+def _quantized_v2(**overrides):
+    from specdec.target.quant.convert import prepare_quantized, quantize_model
+
+    model = from_hf(mla_hf_model("v2", **overrides)).to(torch.bfloat16)
+    quantize_model(model, "w4a8", progress=False)
+    prepare_quantized(model)
+    return model
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("rope", [16, 64])
+def test_latent_write_and_query_compute_the_models_norm_and_rope_row_by_row(interleave, rope, simd_level):
+    """`latent_write` (norm, rope, slot write) and `latent_query` (`W_UK`, rope) against the torch
+    path they replace: every rotated value bitwise `apply_rope`'s (DeepSeek's interleaved pairs too),
+    `q_nope . W_UK` bitwise `head_matmul`'s, the norm within one bf16 rounding of torch's (its sum
+    of squares runs in order, torch's in its own); each row bitwise the same computed alone, at 1
+    and 2 threads; a position off the rotary table refused before anything is written."""
+    from specdec.target.layers import RMSNorm
+    from specdec.target.rope import RotaryEmbedding
+
+    query_lens, seq_lens, rank, heads, nope = [1, 3, 2], [6, 9, 2], 48, 3, 32
+    cache, tables, meta, _ = _latent_step(query_lens, seq_lens, dim=rank + rope)
+    t = meta.num_tokens
+    rotary = RotaryEmbedding(mla_hf_config("v2"), rope, 64)
+    positions = torch.tensor([p for n, q in zip(seq_lens, query_lens) for p in range(n - q, n)])
+    rotation = rotary(positions, torch.bfloat16)
+    norm = RMSNorm(rank, 1e-6)
+    norm.weight.data = (torch.randn(rank) * 0.2 + 1).bfloat16()
+    kv_a = torch.randn(t, 8 + rank + rope).bfloat16()[:, 8:]  # a strided view, as split leaves it
+    q = torch.randn(t, heads * (nope + rope)).bfloat16()
+    w_uk = (torch.randn(heads, nope, rank) * 0.2).bfloat16()
+    flip = (lambda x: x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)) if interleave else (lambda x: x)
+    cos, sin = rotation.cos_sin
+
+    cpu_attention.latent_write(kv_a, norm.weight, norm.eps, interleave, rotation, cache, meta)
+    written = cache.view(-1, rank + rope)[meta.slot_mapping]
+    c, k_rope = kv_a.split([rank, rope], dim=-1)
+    assert torch.equal(written[:, rank:], mla.apply_rope(flip(k_rope).unsqueeze(1), cos, sin).squeeze(1))
+    ulps = (written[:, :rank].view(torch.int16).int() - norm(c).view(torch.int16).int()).abs()
+    assert ulps.max().item() <= 1 and (ulps == 0).float().mean().item() > 0.9
+
+    query = cpu_attention.latent_query(q, w_uk, interleave, rotation, cache, meta)
+    q_nope, q_rope = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)
+    assert torch.equal(query[..., :rank], cpu_attention.head_matmul(q_nope.contiguous(), w_uk, transposed=False))
+    assert torch.equal(query[..., rank:], mla.apply_rope(flip(q_rope), cos, sin))
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            row, before = 0, cache.clone()
+            for table, length, ql in zip(tables, seq_lens, query_lens):
+                for i in range(ql):
+                    one = build_attention_metadata([table], [length - ql + i], [length - ql + i + 1], "cpu")
+                    alone = rotary(positions[row : row + 1], torch.bfloat16)
+                    cache.zero_()
+                    cpu_attention.latent_write(kv_a[row : row + 1], norm.weight, norm.eps, interleave, alone, cache, one)
+                    assert torch.equal(cache.view(-1, rank + rope)[one.slot_mapping], written[row : row + 1])
+                    assert torch.equal(cpu_attention.latent_query(q[row : row + 1], w_uk, interleave, alone, cache, one),
+                                       query[row : row + 1])
+                    row += 1
+            cache.copy_(before)
+    finally:
+        torch.set_num_threads(threads)
+    before = cache.clone()
+    far = rotary(torch.full((t,), rotation.cos_table.shape[0]), torch.bfloat16)  # one past the table
+    with pytest.raises(Exception, match="latent_write"):
+        cpu_attention.latent_write(kv_a, norm.weight, norm.eps, interleave, far, cache, meta)
+    assert torch.equal(cache, before)
+
+
+@needs_attention_kernel
+@pytest.mark.parametrize("q_lora_rank", [None, 32])
+def test_c_layer_loop_runs_latent_layers_bitwise_as_the_python_loop(q_lora_rank, simd_level):
+    """A w4a8 DeepSeek-V2 (latent attention, a dense first layer, MoE layers on the expert kernel)
+    runs whole in decoder.c for decode and verify windows, and gives the Python loop's bits; a
+    window of `NAIVE_MIN_QUERY_LEN` rows or more (the naive path) leaves the step to Python."""
+    from specdec.target.quant.decoder_stack import NativeDecoderStack
+
+    model = _quantized_v2(q_lora_rank=q_lora_rank)
+    runner = ModelRunner.build(model, 4, num_blocks=80)
+    stack = model._layer_stack
+    assert isinstance(stack, NativeDecoderStack)
+    runs = []
+
+    def steps():
+        a, b = runner.new_table(), runner.new_table()
+        a.ensure_slots(100), b.ensure_slots(30)
+        out = [runner.forward([Window(a, list(range(3, 20)), 1)])]
+        out.append(runner.forward([Window(b, list(range(40, 49)), 1), Window(a, [7], 1)]))
+        out.append(runner.forward([Window(a, [8, 9, 10, 11, 12], 5), Window(b, [50, 51], 2)]))
+        out.append(runner.forward([Window(a, [3 + i % 90 for i in range(70)], 2), Window(b, [52], 1)]))
+        out.append(runner.forward([Window(a, [13, 14], 2), Window(b, [53], 1)]))
+        return out
+
+    real = stack.run
+    stack.run = lambda *a: runs.append(real(*a)) or runs[-1]
+    native = steps()
+    assert runs == [True, True, True, False, True]
+    model.use_layer_stack(None)
+    for c, python in zip(native, steps()):
+        assert torch.equal(c, python)
+
+
+@needs_attention_kernel
+def test_w4a8_speculation_through_the_c_layer_loop_equals_target_only():
+    """Greedy speculative decoding (k = 4) on a w4a8 MLA target whose steps run in decoder.c gives
+    target-only decoding's tokens: each verify row is computed as a one-row step computes it."""
+    from specdec.target.quant.decoder_stack import NativeDecoderStack
+
+    target, draft = _quantized_v2(q_lora_rank=32), _quantized_v2(q_lora_rank=32, num_hidden_layers=2)
+    ran = []
+    real = NativeDecoderStack.run
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NativeDecoderStack, "run", lambda self, h, *a: ran.append(h.shape[0]) or real(self, h, *a))
+        for proposer in ("none", "draft"):
+            config = EngineConfig(dtype="bfloat16", num_blocks=160, block_size=4, proposer=proposer,
+                                  num_speculative_tokens=4, adaptive_k=False, target_quant="none", draft_quant="none")
+            engine = Engine.from_models(config, target, draft if proposer == "draft" else None)
+            outs[proposer] = [o.token_ids for o in engine.generate(PROMPTS, greedy)]
+    assert max(ran) > len(PROMPTS)  # verify windows of several rows ran in C
+    assert outs["draft"] == outs["none"]
