@@ -9,9 +9,11 @@ do not need the kernels' CPU.
 
 import ctypes
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -39,11 +41,19 @@ def cache(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def libraries(tmp_path_factory):
-    """Every kernel library, built here and opened (declared and layout-checked)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDEC_CACHE", str(tmp_path_factory.mktemp("kernels")))
-        return {name: native.open_library(k.build(), k.functions) for name, k in KERNELS.items()}
+def kernel_cache(tmp_path_factory):
+    """This module's own cache folder: every library is compiled here, once."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def libraries(kernel_cache):
+    """Every kernel library, built here (one compiler per core: builds are atomic) and opened
+    (declared and layout-checked)."""
+    with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        mp.setenv("SPECDEC_CACHE", str(kernel_cache))
+        paths = dict(zip(KERNELS, pool.map(lambda k: k.build(), KERNELS.values())))
+        return {name: native.open_library(paths[name], k.functions) for name, k in KERNELS.items()}
 
 
 @needs_gcc
@@ -90,7 +100,9 @@ print(lib.qgemm(buf, 1, 1, 48, 0, buf, buf, buf, 16, None, None, buf, 1, None, 0
 
 
 @needs_gcc
-def test_each_kernel_refuses_bad_arguments_with_a_status(cache):
+def test_each_kernel_refuses_bad_arguments_with_a_status(libraries, kernel_cache, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(kernel_cache))  # the libraries built above, not again
+    monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
     done = subprocess.run([sys.executable, "-c", REFUSALS], capture_output=True, text=True, timeout=300)
     if done.returncode == -signal.SIGILL:
         pytest.skip("this compiler put AVX-512 instructions before the kernels' argument checks")
