@@ -106,14 +106,14 @@ class LatentAttention(nn.Module):
         mla, t, heads = self.mla, x.shape[0], self.num_heads
         q, kv_a = self._project(x, norm)
         k_cache, v_cache = kv_cache.layer(layer_idx)  # latents [N, S, 1, rank + R] and their first rank dims
-        cos, sin = rotation.cos_sin
         if cpu_attention.writes_latent(meta, kv_a, k_cache, kv_cache.k_scale):  # norm, rope, write in C
             cpu_attention.latent_write(kv_a, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, mla.rope_interleave,
                                        rotation, k_cache, meta)
         else:
             c, k_rope = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
             k_rope = _deinterleave(k_rope) if mla.rope_interleave else k_rope
-            latent = torch.cat([self.kv_a_layernorm(c), apply_rope(k_rope.unsqueeze(1), cos, sin).squeeze(1)], dim=-1)
+            k_rope = apply_rope(k_rope.unsqueeze(1), *rotation.cos_sin).squeeze(1)
+            latent = torch.cat([self.kv_a_layernorm(c), k_rope], dim=-1)
             write_latent(latent.unsqueeze(1), k_cache, meta.slot_mapping, kv_cache.k_scale)
         absorbed = meta.max_query_len < NAIVE_MIN_QUERY_LEN
         if absorbed and cpu_attention.supports_latent(meta, q, k_cache, kv_cache.k_scale):  # the whole path in C
@@ -122,7 +122,7 @@ class LatentAttention(nn.Module):
             q_nope, q_rope = q.reshape(t, heads, mla.qk_head_dim).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], -1)
             if mla.rope_interleave:  # pairs (0, 1), (2, 3), ... -> halves, as the keys' were
                 q_rope = _deinterleave(q_rope)
-            q_rope = apply_rope(q_rope, cos, sin)  # [T, H, R]
+            q_rope = apply_rope(q_rope, *rotation.cos_sin)  # [T, H, R]
             out = (self.absorbed(q_nope, q_rope, k_cache, v_cache, kv_cache.k_scale, meta) if absorbed
                    else self.naive(q_nope, q_rope, k_cache, kv_cache.k_scale, meta))
         return plus_linear(residual, self.o_proj, out.reshape(t, heads * mla.v_head_dim))

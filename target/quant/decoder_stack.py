@@ -165,7 +165,8 @@ class NativeDecoderStack:
         """The stack of a model whose every layer fits `decoder.c`, else None (the Python loop
         runs): q/k/v and gate/up fused, all four linears `QLinear` (an MoE layer: its block has a
         `NativeMoE`, all of one top k), RMSNorm weights of one dtype (bf16 or fp32) and eps,
-        head_dim a multiple of 32 (at most `MAX_HEAD_DIM`), and the kernels built."""
+        head_dim a multiple of 32 (at most `MAX_HEAD_DIM`), and the kernels built. Latent attention
+        layers (MLA) instead: as `_latent_fits` says, on one process (no tensor-parallel split)."""
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not layers:
             return None
