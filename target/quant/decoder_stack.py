@@ -203,9 +203,9 @@ class NativeDecoderStack:
         k_cache = kv_cache.layer(0)[0]
         if self.mla is None:
             fits = cpu_attention.supports(meta, h, k_cache, kv_cache.k_scale, kv_cache.v_scale)
-        else:  # absorbed windows only (prefill chunks decompress the latents: the Python loop)
+        else:  # absorbed windows only (prefill chunks decompress the latents: the Python loop); what
+            # supports_latent asks includes what latent_write needs
             fits = (meta.max_query_len < latent.NAIVE_MIN_QUERY_LEN
-                    and cpu_attention.writes_latent(meta, h, k_cache, kv_cache.k_scale)
                     and cpu_attention.supports_latent(meta, h, k_cache, kv_cache.k_scale))
         if not (h.dtype == torch.bfloat16 and h.device.type == "cpu" and h.is_contiguous()
                 and kv_cache.kv.is_contiguous() and fits):
