@@ -36,6 +36,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-stop-confidence", type=float, default=EngineConfig.draft_stop_confidence, metavar="P",
                    help="with adaptive k, a sequence stops drafting once the draft's probability "
                         "of its drafts so far falls below P (0: never)")
+    g.add_argument("--steady-steps", action="store_true",
+                   help="with adaptive k: no early stop, and k changes only for a 15%% gain, so the "
+                        "streams' gaps between chunks stay even (a PD decode replica's default)")
     g.add_argument("--draft-vocab", type=_draft_vocab, default="auto", metavar="N|full|auto",
                    help="the draft's LM head over the N most frequent ids (lossless: the target "
                         "verifies every token); auto: 32768 where a frequency table ships for the "
@@ -124,6 +127,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=args.num_speculative_tokens,
         adaptive_k=not args.fixed_k,
         draft_stop_confidence=args.draft_stop_confidence,
+        steady_steps=args.steady_steps,
         draft_vocab=args.draft_vocab,
         dtype=args.dtype,
         device=args.device,

@@ -17,7 +17,7 @@ import torch
 from specdec import kernel_abi, native
 from specdec.kernel_abi import MAX_HEAD_DIM, MAX_LATENT_DIM, check_tensor
 
-from .metadata import AttentionMetadata
+from .metadata import AttentionMetadata, select_sequences
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
 
@@ -44,24 +44,52 @@ def supports(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, 
     `MAX_HEAD_DIM`, windows of at most `MAX_QUERY_LEN` rows (decode and verify, not prefill).
     Decided by the first layer of a forward and kept in `meta.scratch` for the others."""
     use = meta.scratch.get("cpu_attention")
-    if use is None and meta.backend not in ("auto", "c"):
-        use = meta.scratch["cpu_attention"] = False
     if use is None:
-        head_dim = k_cache.shape[-1]
-        use = meta.scratch["cpu_attention"] = bool(
-            qkv.device.type == "cpu"
-            and qkv.dtype == torch.bfloat16
-            and k_cache.device.type == "cpu"
-            and k_cache.dtype == torch.bfloat16
-            and k_scale == 1.0
-            and v_scale == 1.0
-            and head_dim % 32 == 0
-            and head_dim <= MAX_HEAD_DIM
-            and meta.max_query_len <= MAX_QUERY_LEN
-            and load_attention() is not None
-        )
-        if use:  # the library for the other layers' calls (loading it reads the environment)
-            meta.scratch["cpu_attention_lib"] = load_attention()
+        use = meta.scratch["cpu_attention"] = meta.max_query_len <= MAX_QUERY_LEN and _kernel_reads(
+            meta, qkv, k_cache, k_scale, v_scale)
+    return use
+
+
+def short_windows(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, k_scale: float,
+                  v_scale: float) -> tuple[tuple[torch.Tensor, AttentionMetadata], tuple[torch.Tensor, AttentionMetadata]] | None:
+    """For a step the kernel does not take whole (a prompt chunk of more than `MAX_QUERY_LEN`
+    rows beside decoding streams): `((rows, meta'), (rows, meta'))` of its sequences whose windows
+    the kernel takes and of the others (for SDPA), `select_sequences`' split; None when there is
+    nothing to split or the kernel cannot run. A stream's decode and verify rows then go through
+    the kernel as in a step without the chunk, so its tokens never depend on the prompts arriving
+    beside it (in bf16 SDPA's last bit differs, and a greedy near-tie could flip). Decided by the
+    first layer of a forward and kept in `meta.scratch`."""
+    if "cpu_attention_split" not in meta.scratch:
+        split = None
+        if meta.max_query_len > MAX_QUERY_LEN and _kernel_reads(meta, qkv, k_cache, k_scale, v_scale):
+            short = [b for b, n in enumerate(meta.query_lens_cpu) if n <= MAX_QUERY_LEN]
+            if short:
+                long = [b for b, n in enumerate(meta.query_lens_cpu) if n > MAX_QUERY_LEN]
+                split = (select_sequences(meta, short), select_sequences(meta, long))
+        meta.scratch["cpu_attention_split"] = split
+    return meta.scratch["cpu_attention_split"]
+
+
+def _kernel_reads(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, k_scale: float,
+                  v_scale: float) -> bool:
+    """What `rope_write_attend` needs besides short windows: the C backend allowed, bf16 CPU
+    tensors, a bf16 cache stored unscaled, heads a multiple of 32 up to `MAX_HEAD_DIM`, the
+    kernel built (its library then kept in `meta.scratch` for the other layers' calls)."""
+    head_dim = k_cache.shape[-1]
+    use = bool(
+        meta.backend in ("auto", "c")
+        and qkv.device.type == "cpu"
+        and qkv.dtype == torch.bfloat16
+        and k_cache.device.type == "cpu"
+        and k_cache.dtype == torch.bfloat16
+        and k_scale == 1.0
+        and v_scale == 1.0
+        and head_dim % 32 == 0
+        and head_dim <= MAX_HEAD_DIM
+        and load_attention() is not None
+    )
+    if use:  # (loading it reads the environment)
+        meta.scratch["cpu_attention_lib"] = load_attention()
     return use
 
 

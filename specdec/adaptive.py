@@ -206,19 +206,29 @@ class SpeculationPolicy:
         `lags[b]`: tokens sequence b's draft cache lacks (1 normally; more after steps without
         drafting), all fed in the first draft forward; then k - 1 forwards of one row each.
         """
-        lags = lags or [1] * len(caps)
+        best_k = self.best_k(rates, caps, lags)
+        return [min(best_k, cap) for cap in caps]
+
+    def best_k(self, rates: list[float], caps: list[int], lags: list[int] | None = None) -> int:
+        """The batch's k (before each sequence's cap) that `choose_k` applies."""
         best_k, best_rate = 0, 0.0
         for k in range(max(caps, default=0) + 1):
-            ks = [min(k, cap) for cap in caps]
-            tokens = sum(expected_tokens(a, kk) for a, kk in zip(rates, ks))
-            seconds = self.verify_cost(sum(ks) + len(ks))
-            if k:
-                drafting = [b for b, kk in enumerate(ks) if kk]
-                seconds += self.draft_forward_cost(sum(max(1, lags[b]) for b in drafting))
-                seconds += (max(ks) - 1) * self.draft_forward_cost(len(drafting))
-            if tokens / seconds > best_rate * 1.0001:  # ties go to the smaller k
-                best_k, best_rate = k, tokens / seconds
-        return [min(best_k, cap) for cap in caps]
+            rate = self.expected_rate(k, rates, caps, lags)
+            if rate > best_rate * 1.0001:  # ties go to the smaller k
+                best_k, best_rate = k, rate
+        return best_k
+
+    def expected_rate(self, k: int, rates: list[float], caps: list[int], lags: list[int] | None = None) -> float:
+        """The batch's expected tokens per second when every sequence drafts min(k, its cap)."""
+        lags = lags or [1] * len(caps)
+        ks = [min(k, cap) for cap in caps]
+        tokens = sum(expected_tokens(a, kk) for a, kk in zip(rates, ks))
+        seconds = self.verify_cost(sum(ks) + len(ks))
+        if any(ks):
+            drafting = [b for b, kk in enumerate(ks) if kk]
+            seconds += self.draft_forward_cost(sum(max(1, lags[b]) for b in drafting))
+            seconds += (max(ks) - 1) * self.draft_forward_cost(len(drafting))
+        return tokens / seconds
 
 
 GAP_EMA = 0.2  # weight of a new per-token time in ChunkSizer's average

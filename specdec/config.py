@@ -36,6 +36,10 @@ class EngineConfig:
     # falls below this (0: never; see DraftModelProposer); the policy then only decides whether
     # to draft, and the cap (num_speculative_tokens) bounds how far.
     draft_stop_confidence: float = 0.5
+    # With adaptive_k, even steps: no early stop, and the batch keeps its k until another promises
+    # 15% more tokens per second (`planner.STEADY_MARGIN`), so the streams' gaps between chunks stay
+    # even. A decode replica's default under prefill/decode disaggregation (`--decode-steps`).
+    steady_steps: bool = False
     # The draft's LM head over a frequent vocabulary (`draft.vocab`: FR-Spec, lossless): a number of
     # ids (rounded up to 16), "full", or "auto": `draft.vocab.DEFAULT_SIZE` ids where a shipped
     # frequency table matches the tokenizer, else full.

@@ -95,7 +95,7 @@ class Engine:
         self.planner = StepPlanner(
             self.scheduler, self.policy, drafts_with_model=draft_pool is not None,
             looks_up=config.proposer == "hybrid" and self.proposer is not None,
-            early_stop=config.uses_draft_model and config.draft_stop_confidence > 0,
+            early_stop=config.uses_draft_model and config.draft_stop_confidence > 0, steady=config.steady_steps,
         )
         for pool in self._pools().values():
             pool.enable_caching = config.enable_prefix_caching
@@ -120,7 +120,7 @@ class Engine:
     def _build_proposer(self, draft_runner: ModelRunner | None) -> Proposer | None:
         config = self.config
         if config.speculative and config.uses_draft_model:
-            stop_below = config.draft_stop_confidence if config.adaptive_k else 0.0
+            stop_below = config.draft_stop_confidence if config.adaptive_k and not config.steady_steps else 0.0
             model = DraftModelProposer(draft_runner, self.timings, stop_below)
             return model if config.proposer == "draft" else HybridProposer(model)
         if config.speculative and config.proposer == "ngram":

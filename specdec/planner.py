@@ -10,6 +10,12 @@ Per sequence that emits a token this step (its `SeqPlan`):
     draft_fill = the scheduler's prefill stretch or the catch-up chunk; all held back when a
                  decoding step runs no draft forward (a forward of its own would stall the streams)
 
+Steady steps (`steady`: a decode replica's default under prefill/decode disaggregation): no early
+stop, and the batch keeps its k until another k promises STEADY_MARGIN more tokens per second, so
+every step drafts the same number of forwards and the streams' gaps stay even (with early stop or a
+k that moves each step, a step streams 1 token after ~0.15 s or 5 after ~0.45 s: a p99 gap 2-3x the
+median on the same work).
+
 Example (fixed k = 4, draft model, one sequence 300 tokens ahead of its draft cache): cap 4,
 num_draft 0, draft_fill 256 this step; the next step drafts 4.
 """
@@ -25,6 +31,7 @@ MAX_PRICED_LAG = 8  # a lone sequence's draft lag is priced up to this many rows
 MAX_CATCH_UP = 32  # draft-cache tokens fed in one catch-up beside other streams
 MAX_LONE_CATCH_UP = 256  # ... for a sequence alone in its step (a chat prompt's draft prefill at once)
 LOOKUP_MIN_TOKENS = 4  # hybrid: prompt lookup may propose this many even where the policy drafts fewer
+STEADY_MARGIN = 1.15  # steady steps: the expected tokens/s another k must promise over the batch's k
 
 
 class StepPlanner:
@@ -32,15 +39,18 @@ class StepPlanner:
 
     `drafts_with_model`: the proposer has a draft model (its own cache: prefill steps do not
     draft). `looks_up`: it proposes by prompt lookup too (hybrid). `early_stop`: with a policy,
-    the draft's confidence decides how far a sequence drafts, the policy only whether.
+    the draft's confidence decides how far a sequence drafts, the policy only whether. `steady`:
+    with a policy, the batch's k changes only for a STEADY_MARGIN gain (and no early stop).
     """
 
     def __init__(
         self, scheduler: Scheduler, policy: SpeculationPolicy | None, *, drafts_with_model: bool,
-        looks_up: bool, early_stop: bool,
+        looks_up: bool, early_stop: bool, steady: bool = False,
     ) -> None:
         self.scheduler, self.policy = scheduler, policy
-        self.drafts_with_model, self.looks_up, self.early_stop = drafts_with_model, looks_up, early_stop
+        self.drafts_with_model, self.looks_up = drafts_with_model, looks_up
+        self.early_stop, self.steady = early_stop and not steady, steady
+        self.steady_k: int | None = None  # steady steps: the batch's k, kept until another pays enough
 
     def plan(self, scheduled: list[Sequence]) -> StepPlan:
         plans = [SeqPlan(s, draft_fill=s.num_draft_fill) for s in scheduled]
@@ -77,7 +87,15 @@ class StepPlanner:
             lags = [p.seq.num_tokens - p.seq.draft_table.num_computed if p.seq.draft_table else 1 for p in rows]
             if alone:
                 lags = [min(MAX_PRICED_LAG, lag) for lag in lags]
-            ks = self.policy.choose_k([p.seq.acceptance.rate for p in rows], [p.cap for p in rows], lags)
+            rates, caps = [p.seq.acceptance.rate for p in rows], [p.cap for p in rows]
+            k = self.policy.best_k(rates, caps, lags)
+            if self.steady and any(caps):
+                kept = self.steady_k
+                if kept is not None and k != kept and \
+                        self.policy.expected_rate(k, rates, caps, lags) < STEADY_MARGIN * self.policy.expected_rate(kept, rates, caps, lags):
+                    k = kept
+                self.steady_k = k
+            ks = [min(k, cap) for cap in caps]
         for p, k in zip(rows, ks):
             p.num_draft = self._catch_up_first(p, k, alone)
         if self.policy is not None and self.early_stop:

@@ -89,20 +89,36 @@ class Attention(nn.Module):
             qkv = self._norm_heads(qkv)
         if self.clip is not None:
             qkv = qkv.clamp(-self.clip, self.clip)
-        if cpu_attention.supports(meta, qkv, k_cache, kv_cache.k_scale, kv_cache.v_scale) and self.c_kernel_fits:
+        scales = (kv_cache.k_scale, kv_cache.v_scale)
+        if cpu_attention.supports(meta, qkv, k_cache, *scales) and self.c_kernel_fits:
             out = cpu_attention.rope_write_attend(
                 qkv, hq, hkv, rotation.positions, rotation.cos_table, rotation.signed_sin_table,
                 k_cache, v_cache, meta, self.scale,
             )  # [T, Hq * D]: rope, KV write and attention in one kernel call
-        else:
+        elif self.c_kernel_fits and (split := cpu_attention.short_windows(meta, qkv, k_cache, *scales)) is not None:
+            (rows, short), (long_rows, long) = split  # decoding streams in the kernel, prompt chunks in SDPA
+            out = qkv.new_empty(t, hq * d)
+            out[rows] = cpu_attention.rope_write_attend(
+                qkv[rows], hq, hkv, rotation.positions[rows], rotation.cos_table, rotation.signed_sin_table,
+                k_cache, v_cache, short, self.scale,
+            )
             cos, sin = rotation.cos_sin
-            qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)  # rotate q and k together
-            q, k = apply_rope(qk.view(t, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)
-            write_kv(k, v.view(t, hkv, d), k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
-            out = paged_attention(
-                q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale, self.window, self.softcap
-            ).reshape(t, hq * d)  # [T, Hq * D]
+            out[long_rows] = self._reference(qkv[long_rows], cos[long_rows], sin[long_rows], kv_cache, layer_idx, long)
+        else:
+            out = self._reference(qkv, *rotation.cos_sin, kv_cache, layer_idx, meta)
         return plus_linear(residual, self.o_proj, out)
+
+    def _reference(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,
+                   layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:  # [T, Hq * D]
+        """Rope, KV write and attention in torch ops (SDPA, or Triton by `meta.backend`)."""
+        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        k_cache, v_cache = kv_cache.layer(layer_idx)
+        qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)  # rotate q and k together
+        q, k = apply_rope(qk.view(t, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)
+        write_kv(k, v.view(t, hkv, d), k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
+        return paged_attention(
+            q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale, self.window, self.softcap
+        ).reshape(t, hq * d)
 
     @property
     def c_kernel_fits(self) -> bool:

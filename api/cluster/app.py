@@ -18,6 +18,7 @@ store), deploys, and serves until interrupted.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import os
@@ -125,9 +126,10 @@ class RouterHeaderMiddleware:
             REQUEST_POLICY.reset(token)
 
 
-def build_app(engine_factory: Any, settings: Any, options: ClusterOptions) -> Any:
+def build_app(engine_factory: Any, settings: Any, options: ClusterOptions, decode_factory: Any = None) -> Any:
     """The Ray Serve application: an ingress bound to N engine replicas (M of them prefill
-    replicas, the others decode replicas, with `options.prefill_replicas` M > 0)."""
+    replicas, the others decode replicas built by `decode_factory` (default: `engine_factory`),
+    with `options.prefill_replicas` M > 0)."""
     from ray import serve
 
     from specdec.api.cluster.replica import EngineReplica
@@ -147,7 +149,7 @@ def build_app(engine_factory: Any, settings: Any, options: ClusterOptions) -> An
     prefill = deployment("PrefillReplica", options.prefill_replicas).bind(
         engine_factory, role="prefill", lease_timeout_s=options.kv_lease_timeout_s, **common)
     decode = deployment("EngineReplica", options.replicas - options.prefill_replicas).bind(
-        engine_factory, role="decode", prefill_handle=prefill, pull_timeout_s=options.kv_pull_timeout_s,
+        decode_factory or engine_factory, role="decode", prefill_handle=prefill, pull_timeout_s=options.kv_pull_timeout_s,
         pull_delay_s=options.pull_delay_s, **common)
     return ingress.bind(decode, settings, options.route_timeout_s, prefill)
 
@@ -206,12 +208,14 @@ def start_ray(address: str | None, num_cpus: int | None = None, object_store_byt
              logging_level=logging.WARNING, log_to_driver=log_to_driver)
 
 
-def deploy(engine_factory: Any, settings: Any, options: ClusterOptions, host: str, port: int) -> None:
+def deploy(engine_factory: Any, settings: Any, options: ClusterOptions, host: str, port: int,
+           decode_factory: Any = None) -> None:
     """Start Ray Serve's proxy on host:port and deploy the app (returns once every replica is up)."""
     from ray import serve
 
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(engine_factory, settings, options), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(build_app(engine_factory, settings, options, decode_factory), name=APP_NAME, route_prefix="/",
+              blocking=False)
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -223,6 +227,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="prefill/decode disaggregation: M of the N replicas only prefill prompts (through "
                         "target and draft) and hand both KV caches over; the other N - M decode. "
                         "Pays when long prompts arrive while other streams decode (docs/scaling.md)")
+    g.add_argument("--decode-steps", choices=["steady", "adaptive"], default="steady",
+                   help="with --prefill-replicas: steady (default): decode replicas keep each step's k "
+                        "(no early stop; another k only for a 15%% gain), so the streams' gaps stay even; "
+                        "adaptive: k chosen each step, as a colocated replica does")
     g.add_argument("--kv-lease-timeout", type=float, default=30.0, metavar="S",
                    help="with --prefill-replicas: a prefill replica frees handed-over KV nobody pulled after S seconds")
     g.add_argument("--kv-pull-timeout", type=float, default=30.0, metavar="S",
@@ -278,7 +286,9 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     started = time.perf_counter()
     try:
         try:
-            deploy(functools.partial(build_engine, config), settings, options, args.host, args.port)
+            steady = options.prefill_replicas and args.decode_steps == "steady"
+            decode = functools.partial(build_engine, dataclasses.replace(config, steady_steps=True)) if steady else None
+            deploy(functools.partial(build_engine, config), settings, options, args.host, args.port, decode)
         except Exception as exc:  # noqa: BLE001 - e.g. the replicas cannot load the models
             logger.error("deploying the replicas failed: %s", _replica_error() or _last_line(exc))
             return 1

@@ -148,9 +148,9 @@ def test_speculation_drafts_and_accepts_as_colocated_and_metrics_show_the_transf
 def test_an_expired_lease_and_a_prefill_replica_killed_mid_transfer_cost_a_recompute(pd, colocated):
     """Last: it redeploys with leases shorter than the decode replica's wait before pulling. The
     lease outlives the client's leaving by seconds (the release goes through the ingress and a
-    pinned call: on a loaded CI machine 1.5 s, and once 4 s, were not enough), and expires
-    before the pull."""
-    pd.deploy_pd(kv_lease_timeout_s=7.0, pull_delay_s=10.0, kv_pull_timeout_s=5.0)
+    pinned call: on a loaded CI machine 1.5 s, and once 4 s and once 7 s, were not enough), and
+    expires before the pull."""
+    pd.deploy_pd(kv_lease_timeout_s=12.0, pull_delay_s=15.0, kv_pull_timeout_s=5.0)
     expired = pd.settle()["prefill"]["kv_transfer"]["leases_expired"]
     payload = {"model": MODEL, "prompt": prompt_of(50, seed=31), "max_tokens": 40, "temperature": 0, "stream": True}
     with pd.client.stream("POST", "/v1/completions", json=payload) as response:

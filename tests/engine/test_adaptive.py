@@ -128,8 +128,8 @@ def test_a_batch_pays_its_whole_draft_catch_up_and_a_lone_sequence_a_few_rows(pa
     target, draft = pair
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True)
     seen = []
-    choose = engine.policy.choose_k
-    engine.policy.choose_k = lambda rates, caps, lags=None: seen.append((len(caps), lags)) or choose(rates, caps, lags)
+    best_k = engine.policy.best_k
+    engine.policy.best_k = lambda rates, caps, lags=None: seen.append((len(caps), lags)) or best_k(rates, caps, lags)
     long_prompts = [list(range(3, 3 + 20)), list(range(30, 30 + 20))]
     engine.generate(long_prompts, GREEDY)
     engine.generate(long_prompts[:1], GREEDY)
@@ -148,13 +148,58 @@ def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops
     reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True,
                          draft_stop_confidence=stop_below)
-    engine.policy.choose_k = lambda rates, caps, lags=None: caps  # always draft
+    engine.policy.best_k = lambda rates, caps, lags=None: max(caps)  # always draft
     drafted = []
     propose = engine.proposer.propose
     engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.extend(out.num_draft))[0]
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     drafted = [n for n in drafted if n]
     assert drafted and (max(drafted) == 1) == stops
+
+
+def test_steady_steps_keep_the_batchs_k_until_another_pays_enough():
+    """Steady steps: the planner keeps the batch's k while the policy's best promises less than
+    STEADY_MARGIN over it, and takes the best once it does."""
+    from specdec.draft import SeqPlan
+    from specdec.planner import STEADY_MARGIN, StepPlanner
+
+    class Seq:  # what the planner reads of a decoding sequence
+        num_tokens, draft_table, num_pending, fills_only, num_draft_fill = 40, None, 1, False, 0
+
+        class acceptance:
+            rate = 0.8
+
+    policy = _policy(lambda rows: 0.07, draft=0.01)
+    planner = StepPlanner(None, policy, drafts_with_model=True, looks_up=False, early_stop=True, steady=True)
+    planner._cap = lambda seq: 5
+    assert not planner.early_stop
+    first = planner.plan([Seq(), Seq()])
+    k = first.rows[0].num_draft
+    assert k == policy.best_k([0.8, 0.8], [5, 5]) and k > 0
+    Seq.acceptance.rate = 0.55  # a smaller k is best now, but not by the margin: kept
+    best = policy.best_k([0.55] * 2, [5] * 2)
+    gain = policy.expected_rate(best, [0.55] * 2, [5] * 2) / policy.expected_rate(k, [0.55] * 2, [5] * 2)
+    assert best < k and gain < STEADY_MARGIN
+    assert [p.num_draft for p in planner.plan([Seq(), Seq()]).rows] == [k, k]
+    Seq.acceptance.rate = 0.05  # drafting is far worse than not: switched off
+    assert [p.num_draft for p in planner.plan([Seq(), Seq()]).rows] == [0, 0]
+    assert isinstance(first.rows[0], SeqPlan)
+
+
+def test_steady_steps_draft_the_whole_k_and_stay_exact(pair):
+    """No early stop under steady steps: at a confidence bar that stops every draft after one
+    token, each drafting step still drafts the batch's k (early stop: 1); output equals target-only."""
+    target, draft = pair
+    reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
+    engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True, draft_stop_confidence=0.999,
+                         steady_steps=True)
+    engine.policy.best_k = lambda rates, caps, lags=None: 3
+    drafted = []
+    propose = engine.proposer.propose
+    engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.extend(out.num_draft))[0]
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    drafted = [n for n in drafted if n]
+    assert max(drafted) == 3 and drafted.count(3) >= 0.8 * len(drafted)  # fewer only where max_tokens caps it
 
 
 def test_chunk_sizer_keeps_steps_within_the_gap_ratio():

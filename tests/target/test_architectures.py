@@ -372,3 +372,44 @@ def test_text_weights_are_found_under_either_multimodal_prefix():
     assert param_sources(new, params, tied)["lm_head.weight"] == "model.language_model.embed_tokens.weight"
     assert is_image_part("model.vision_tower.x") and is_image_part("multi_modal_projector.y")
     assert not is_image_part("model.language_model.norm.weight")
+
+
+def _stream_logits(runner: ModelRunner, chunk: int | None) -> list[torch.Tensor]:
+    """A stream's logits over a prefill and three decode / verify windows; with `chunk`, each of
+    those steps also carries `chunk` rows of another prompt's prefill (its first token never sampled)."""
+    stream, other = runner.new_table(), runner.new_table()
+    tokens, prompt, fed = list(PROMPTS[0]), [(7 * i) % VOCAB for i in range(3 * (chunk or 0))], 0
+    out = []
+    for window in (tokens, [40], [41, 42, 43], [44]):
+        if window is not tokens:
+            tokens = tokens + window
+        stream.ensure_slots(len(tokens))
+        windows = [Window(stream, list(window), len(window))]
+        if chunk and fed < len(prompt):
+            other.ensure_slots(fed + chunk)
+            windows.append(Window(other, prompt[fed:fed + chunk], 1))
+            fed += chunk
+        out.append(runner.forward(windows)[: len(window)].clone())
+    return out
+
+
+@pytest.mark.skipif(cpu_attention.load_attention() is None,
+                    reason=f"CPU attention kernel unavailable: {cpu_attention.kernel().unavailable_reason()}")
+def test_a_stream_beside_a_prompt_chunk_gets_bitwise_its_logits_alone(monkeypatch):
+    """In bf16 a step that carries a prompt chunk too long for the C attention (> MAX_QUERY_LEN
+    rows) still runs the streams' decode and verify rows through it, so a stream's tokens never
+    depend on what arrives beside it; the whole step on SDPA (the old way) differs in the last bits.
+    (Windowed layers stay on the reference for every row, as they do without a chunk.)"""
+    model = from_hf(hf_model("qwen3"), torch.bfloat16)
+    runner = ModelRunner.build(model, block_size=4, num_blocks=256)
+    chunk = cpu_attention.MAX_QUERY_LEN + 16
+    alone = _stream_logits(runner, None)
+    calls = []
+    kernel = cpu_attention.rope_write_attend
+    monkeypatch.setattr(cpu_attention, "rope_write_attend", lambda qkv, *a: calls.append(qkv.shape[0]) or kernel(qkv, *a))
+    beside = _stream_logits(runner, chunk)
+    assert calls and max(calls) <= cpu_attention.MAX_QUERY_LEN  # the chunk never went to the kernel
+    for step, (a, b) in enumerate(zip(alone, beside)):
+        assert torch.equal(a, b), f"step {step}"
+    monkeypatch.setattr(cpu_attention, "short_windows", lambda *a: None)
+    assert any(not torch.equal(a, b) for a, b in zip(alone[1:], _stream_logits(runner, chunk)[1:]))
