@@ -34,6 +34,7 @@ from specdec.sequence import StepDelta
 
 logger = logging.getLogger("specdec.api")
 
+STEP_LOG_ENV = "SPECDEC_STEP_LOG"
 _STALL_WAIT_S = 0.02  # work exists but nothing could be scheduled this step: wait, don't spin
 MAX_STEP_FAILURES = 3  # failed steps in a row (none succeeding between) that kill the loop
 
@@ -256,17 +257,23 @@ class AsyncEngine:
 
     def _serve(self, engine: Any) -> None:
         stalled = False
+        log = StepLog.from_env()
         while True:
             commands = self._next_commands(engine, stalled)
             if commands is None:
                 return
+            started = time.perf_counter()
             for command in commands:
                 self._apply(engine, command)
             engine.expire_leases()
+            applied = time.perf_counter()
             deltas = self._step(engine) if engine.has_unfinished() else []
+            stepped = time.perf_counter()
             stalled = engine.has_unfinished() and not getattr(engine, "num_scheduled", deltas)
             self._dispatch(engine, deltas)
             self._publish(engine)
+            if log is not None:
+                log.write(engine, deltas, len(commands), applied - started, stepped - applied, time.perf_counter() - stepped)
 
     def _step(self, engine: Any) -> list[StepDelta]:
         """One engine step; a failed one fails its requests, unless steps keep failing."""
@@ -407,3 +414,47 @@ def _thread_copy(tokenizer: Any) -> Any:
         return copy.deepcopy(tokenizer)
     except Exception:  # noqa: BLE001 - an uncopyable tokenizer is still usable
         return tokenizer
+
+
+class StepLog:
+    """`SPECDEC_STEP_LOG=PREFIX`: every engine loop iteration as one JSON line in
+    `PREFIX.<pid>.jsonl` (a replica each): wall time, the seconds spent applying queued commands
+    (new requests, imported KV), stepping and handing the deltas out, the rows stepped, each
+    sequence's tokens, the timed forwards (draft and verify: rows, seconds) and the Python garbage
+    collector's pauses since the last line. What
+    `docs/results/issue36/steps.py` reads to tell slow steps from stalls around them."""
+
+    def __init__(self, path: str) -> None:
+        import gc
+
+        self._file = open(path, "a", buffering=1)
+        self._gc: list[tuple[int, float]] = []
+        self._gc_started = 0.0
+
+        def pause(phase: str, info: dict) -> None:
+            if phase == "start":
+                self._gc_started = time.perf_counter()
+            else:
+                self._gc.append((info["generation"], time.perf_counter() - self._gc_started))
+
+        gc.callbacks.append(pause)
+
+    @classmethod
+    def from_env(cls) -> StepLog | None:
+        import os
+
+        prefix = os.environ.get(STEP_LOG_ENV)
+        return cls(f"{prefix}.{os.getpid()}.jsonl") if prefix else None
+
+    def write(self, engine: Any, deltas: list, commands: int, apply_s: float, step_s: float, rest_s: float) -> None:
+        import json
+
+        gc_pauses, self._gc = self._gc, []
+        timings = getattr(engine, "timings", None)
+        forwards = {} if timings is None or not timings.enabled else {
+            "draft": [[rows, round(s, 4)] for rows, s in timings.draft], "verify": [[rows, round(s, 4)] for rows, s in timings.verify]}
+        self._file.write(json.dumps({**forwards,
+            "t": round(time.time(), 4), "commands": commands, "apply_s": round(apply_s, 4), "step_s": round(step_s, 4),
+            "rest_s": round(rest_s, 4), "rows": getattr(engine, "num_scheduled", None),
+            "tokens": [len(d.token_ids) for d in deltas], "gc": [[g, round(s, 4)] for g, s in gc_pauses],
+        }) + "\n")

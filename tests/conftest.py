@@ -19,3 +19,14 @@ def simd_level(request, monkeypatch) -> str:
     monkeypatch.setenv(native.ISA_ENV, request.param)
     monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
     return request.param
+
+
+# Modules that start a local Ray (and Ray Serve): under `pytest -n 2 --dist loadgroup` (the README's
+# command) they run one after another on one worker, never two Rays at once.
+RAY_MODULES = {"test_serve_replicas_cmd.py", "test_pd.py", "test_cluster.py", "test_ray_ranks.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in RAY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("ray"))
