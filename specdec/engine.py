@@ -76,6 +76,10 @@ class Engine:
         self.timings = StepTimings()  # this step's timed forwards, for the policy
         self.proposer = self._build_proposer(draft_runner)
         self.runners = [self.target] + ([draft_runner] if self.proposer is not None and draft_runner else [])
+        if config.kv_resident:  # (a parallel target's cache lives on its ranks)
+            for runner in self.kv_runners().values():
+                if getattr(runner, "group", None) is None:
+                    runner.kv_cache.make_resident()
         self.verifier = Verifier(self.target, self.timings)
         self.policy = SpeculationPolicy(self.target.routing) if config.adaptive_k and self.proposer is not None else None
         self.timings.enabled = self.policy is not None

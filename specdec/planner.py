@@ -11,10 +11,10 @@ Per sequence that emits a token this step (its `SeqPlan`):
                  decoding step runs no draft forward (a forward of its own would stall the streams)
 
 Steady steps (`steady`: a decode replica's default under prefill/decode disaggregation): no early
-stop, and the batch keeps its k until another k promises STEADY_MARGIN more tokens per second, so
-every step drafts the same number of forwards and the streams' gaps stay even (with early stop or a
-k that moves each step, a step streams 1 token after ~0.15 s or 5 after ~0.45 s: a p99 gap 2-3x the
-median on the same work).
+stop, and the batch keeps its k until another k promises STEADY_MARGIN more tokens per second
+(drafting stops as soon as plain decoding is expected to be faster), so every step drafts the same
+number of forwards and the streams' gaps stay even (with early stop or a k that moves each step, a
+step streams 1 token after ~0.15 s or 5 after ~0.45 s: a p99 gap 2-3x the median on the same work).
 
 Example (fixed k = 4, draft model, one sequence 300 tokens ahead of its draft cache): cap 4,
 num_draft 0, draft_fill 256 this step; the next step drafts 4.
@@ -90,11 +90,7 @@ class StepPlanner:
             rates, caps = [p.seq.acceptance.rate for p in rows], [p.cap for p in rows]
             k = self.policy.best_k(rates, caps, lags)
             if self.steady and any(caps):
-                kept = self.steady_k
-                if kept is not None and k != kept and \
-                        self.policy.expected_rate(k, rates, caps, lags) < STEADY_MARGIN * self.policy.expected_rate(kept, rates, caps, lags):
-                    k = kept
-                self.steady_k = k
+                k = self.steady_k = self._steady(k, lambda k: self.policy.expected_rate(k, rates, caps, lags))
             ks = [min(k, cap) for cap in caps]
         for p, k in zip(rows, ks):
             p.num_draft = self._catch_up_first(p, k, alone)
@@ -104,6 +100,18 @@ class StepPlanner:
             # prompts 31.7 vs 29.8 modeled tok/s (cap 8, stop 0.5).
             for p in rows:
                 p.num_draft = p.cap if p.num_draft else 0
+
+    def _steady(self, best: int, rate) -> int:
+        """Steady steps' k: the batch's k unless `best` (the policy's) promises STEADY_MARGIN more
+        tokens per second, except that a drafting batch stops drafting as soon as plain decoding
+        is expected to be faster at all (`rate(k)`: expected tokens/s). Hysteresis both ways, with
+        a lean to plain decoding, whose steps are the evenest (no draft catch-ups, no rejections)."""
+        kept = self.steady_k
+        if kept is None or best == kept:
+            return best
+        if kept and best == 0:
+            return 0 if rate(0) > rate(kept) else kept
+        return best if rate(best) >= STEADY_MARGIN * rate(kept) else kept
 
     @staticmethod
     def _catch_up_first(p: SeqPlan, k: int, alone: bool) -> int:

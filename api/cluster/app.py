@@ -286,8 +286,9 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     started = time.perf_counter()
     try:
         try:
-            steady = options.prefill_replicas and args.decode_steps == "steady"
-            decode = functools.partial(build_engine, dataclasses.replace(config, steady_steps=True)) if steady else None
+            steady = args.decode_steps == "steady"
+            decode = functools.partial(build_engine, dataclasses.replace(
+                config, steady_steps=config.steady_steps or steady, kv_resident=True)) if options.prefill_replicas else None
             deploy(functools.partial(build_engine, config), settings, options, args.host, args.port, decode)
         except Exception as exc:  # noqa: BLE001 - e.g. the replicas cannot load the models
             logger.error("deploying the replicas failed: %s", _replica_error() or _last_line(exc))

@@ -159,7 +159,8 @@ def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops
 
 def test_steady_steps_keep_the_batchs_k_until_another_pays_enough():
     """Steady steps: the planner keeps the batch's k while the policy's best promises less than
-    STEADY_MARGIN over it, and takes the best once it does."""
+    STEADY_MARGIN over it, and takes the best once it does; a drafting batch stops as soon as
+    plain decoding is expected to be faster."""
     from specdec.draft import SeqPlan
     from specdec.planner import STEADY_MARGIN, StepPlanner
 
@@ -183,6 +184,14 @@ def test_steady_steps_keep_the_batchs_k_until_another_pays_enough():
     assert [p.num_draft for p in planner.plan([Seq(), Seq()]).rows] == [k, k]
     Seq.acceptance.rate = 0.05  # drafting is far worse than not: switched off
     assert [p.num_draft for p in planner.plan([Seq(), Seq()]).rows] == [0, 0]
+    rate = lambda a, k: policy.expected_rate(k, [a] * 2, [5] * 2)  # noqa: E731
+    marginal = [a / 100 for a in range(5, 99) if policy.best_k([a / 100] * 2, [5] * 2)
+                and rate(a / 100, policy.best_k([a / 100] * 2, [5] * 2)) < STEADY_MARGIN * rate(a / 100, 0)]
+    assert marginal  # drafting pays, but less than the margin: plain decoding stays
+    Seq.acceptance.rate = marginal[-1]
+    assert [p.num_draft for p in planner.plan([Seq(), Seq()]).rows] == [0, 0]
+    Seq.acceptance.rate = 0.95
+    assert planner.plan([Seq(), Seq()]).rows[0].num_draft == policy.best_k([0.95] * 2, [5] * 2) > 0
     assert isinstance(first.rows[0], SeqPlan)
 
 
