@@ -209,10 +209,16 @@ class SpeculationPolicy:
         best_k = self.best_k(rates, caps, lags)
         return [min(best_k, cap) for cap in caps]
 
-    def best_k(self, rates: list[float], caps: list[int], lags: list[int] | None = None) -> int:
-        """The batch's k (before each sequence's cap) that `choose_k` applies."""
+    def best_k(self, rates: list[float], caps: list[int], lags: list[int] | None = None,
+               max_step_ratio: float | None = None) -> int:
+        """The batch's k (before each sequence's cap) that `choose_k` applies; with
+        `max_step_ratio`, among the k whose step is expected to take at most that many times a
+        step without drafting (`step_seconds`)."""
         best_k, best_rate = 0, 0.0
+        limit = None if max_step_ratio is None else max_step_ratio * self.step_seconds(0, caps, lags)
         for k in range(max(caps, default=0) + 1):
+            if limit is not None and k and self.step_seconds(k, caps, lags) > limit:
+                break  # a step only grows with k
             rate = self.expected_rate(k, rates, caps, lags)
             if rate > best_rate * 1.0001:  # ties go to the smaller k
                 best_k, best_rate = k, rate
@@ -220,15 +226,20 @@ class SpeculationPolicy:
 
     def expected_rate(self, k: int, rates: list[float], caps: list[int], lags: list[int] | None = None) -> float:
         """The batch's expected tokens per second when every sequence drafts min(k, its cap)."""
+        tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(rates, caps))
+        return tokens / self.step_seconds(k, caps, lags)
+
+    def step_seconds(self, k: int, caps: list[int], lags: list[int] | None = None) -> float:
+        """A step's expected seconds when every sequence drafts min(k, its cap): the draft
+        forwards (the first feeds each drafting cache's lag) and the verify forward."""
         lags = lags or [1] * len(caps)
         ks = [min(k, cap) for cap in caps]
-        tokens = sum(expected_tokens(a, kk) for a, kk in zip(rates, ks))
         seconds = self.verify_cost(sum(ks) + len(ks))
         if any(ks):
             drafting = [b for b, kk in enumerate(ks) if kk]
             seconds += self.draft_forward_cost(sum(max(1, lags[b]) for b in drafting))
             seconds += (max(ks) - 1) * self.draft_forward_cost(len(drafting))
-        return tokens / seconds
+        return seconds
 
 
 GAP_EMA = 0.2  # weight of a new per-token time in ChunkSizer's average

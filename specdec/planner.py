@@ -10,11 +10,15 @@ Per sequence that emits a token this step (its `SeqPlan`):
     draft_fill = the scheduler's prefill stretch or the catch-up chunk; all held back when a
                  decoding step runs no draft forward (a forward of its own would stall the streams)
 
-Steady steps (`steady`: a decode replica's default under prefill/decode disaggregation): no early
-stop, and the batch keeps its k until another k promises STEADY_MARGIN more tokens per second
-(drafting stops as soon as plain decoding is expected to be faster), so every step drafts the same
-number of forwards and the streams' gaps stay even (with early stop or a k that moves each step, a
-step streams 1 token after ~0.15 s or 5 after ~0.45 s: a p99 gap 2-3x the median on the same work).
+Steady steps (`steady`: a decode replica's default under prefill/decode disaggregation) bound the
+streams' gaps instead of chasing every gain: the policy drafts only a k whose step is expected to
+take at most STEADY_STEP_RATIO times the same batch's step without drafting, there is no early
+stop, and the batch keeps its k until another promises STEADY_MARGIN more tokens per second
+(drafting stops as soon as plain decoding is expected to be faster). Whatever k the batch runs and
+whenever it changes, a stream's gap then stays within STEADY_STEP_RATIO of a plain step. (With
+early stop and a k that moves each step, a step streams 1 token after ~0.15 s or 5 after ~0.5 s:
+a p99 gap 3-5x the median on the same work. Where verifying k + 1 rows costs little more than one,
+a GPU's, steady steps still draft; on one CPU core with 2+ streams they do not.)
 
 Example (fixed k = 4, draft model, one sequence 300 tokens ahead of its draft cache): cap 4,
 num_draft 0, draft_fill 256 this step; the next step drafts 4.
@@ -32,6 +36,7 @@ MAX_CATCH_UP = 32  # draft-cache tokens fed in one catch-up beside other streams
 MAX_LONE_CATCH_UP = 256  # ... for a sequence alone in its step (a chat prompt's draft prefill at once)
 LOOKUP_MIN_TOKENS = 4  # hybrid: prompt lookup may propose this many even where the policy drafts fewer
 STEADY_MARGIN = 1.15  # steady steps: the expected tokens/s another k must promise over the batch's k
+STEADY_STEP_RATIO = 1.5  # steady steps: a drafting step is expected to take at most this many plain steps
 
 
 class StepPlanner:
@@ -88,7 +93,7 @@ class StepPlanner:
             if alone:
                 lags = [min(MAX_PRICED_LAG, lag) for lag in lags]
             rates, caps = [p.seq.acceptance.rate for p in rows], [p.cap for p in rows]
-            k = self.policy.best_k(rates, caps, lags)
+            k = self.policy.best_k(rates, caps, lags, STEADY_STEP_RATIO if self.steady else None)
             if self.steady and any(caps):
                 k = self.steady_k = self._steady(k, lambda k: self.policy.expected_rate(k, rates, caps, lags))
             ks = [min(k, cap) for cap in caps]

@@ -129,7 +129,7 @@ def test_a_batch_pays_its_whole_draft_catch_up_and_a_lone_sequence_a_few_rows(pa
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True)
     seen = []
     best_k = engine.policy.best_k
-    engine.policy.best_k = lambda rates, caps, lags=None: seen.append((len(caps), lags)) or best_k(rates, caps, lags)
+    engine.policy.best_k = lambda rates, caps, lags=None, ratio=None: seen.append((len(caps), lags)) or best_k(rates, caps, lags, ratio)
     long_prompts = [list(range(3, 3 + 20)), list(range(30, 30 + 20))]
     engine.generate(long_prompts, GREEDY)
     engine.generate(long_prompts[:1], GREEDY)
@@ -148,7 +148,7 @@ def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops
     reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True,
                          draft_stop_confidence=stop_below)
-    engine.policy.best_k = lambda rates, caps, lags=None: max(caps)  # always draft
+    engine.policy.best_k = lambda rates, caps, lags=None, ratio=None: max(caps)  # always draft
     drafted = []
     propose = engine.proposer.propose
     engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.extend(out.num_draft))[0]
@@ -158,11 +158,11 @@ def test_greedy_drafts_stop_on_the_drafts_own_confidence(pair, stop_below, stops
 
 
 def test_steady_steps_keep_the_batchs_k_until_another_pays_enough():
-    """Steady steps: the planner keeps the batch's k while the policy's best promises less than
-    STEADY_MARGIN over it, and takes the best once it does; a drafting batch stops as soon as
-    plain decoding is expected to be faster."""
-    from specdec.draft import SeqPlan
-    from specdec.planner import STEADY_MARGIN, StepPlanner
+    """Steady steps: the planner drafts only a k whose step is expected within STEADY_STEP_RATIO
+    of a plain step, keeps the batch's k while the policy's best promises less than STEADY_MARGIN
+    over it, takes the best once it does, and stops drafting as soon as plain decoding is expected
+    to be faster."""
+    from specdec.planner import STEADY_MARGIN, STEADY_STEP_RATIO, StepPlanner
 
     class Seq:  # what the planner reads of a decoding sequence
         num_tokens, draft_table, num_pending, fills_only, num_draft_fill = 40, None, 1, False, 0
@@ -170,29 +170,40 @@ def test_steady_steps_keep_the_batchs_k_until_another_pays_enough():
         class acceptance:
             rate = 0.8
 
-    policy = _policy(lambda rows: 0.07, draft=0.01)
-    planner = StepPlanner(None, policy, drafts_with_model=True, looks_up=False, early_stop=True, steady=True)
-    planner._cap = lambda seq: 5
-    assert not planner.early_stop
-    first = planner.plan([Seq(), Seq()])
-    k = first.rows[0].num_draft
-    assert k == policy.best_k([0.8, 0.8], [5, 5]) and k > 0
-    Seq.acceptance.rate = 0.55  # a smaller k is best now, but not by the margin: kept
-    best = policy.best_k([0.55] * 2, [5] * 2)
-    gain = policy.expected_rate(best, [0.55] * 2, [5] * 2) / policy.expected_rate(k, [0.55] * 2, [5] * 2)
-    assert best < k and gain < STEADY_MARGIN
-    assert [p.num_draft for p in planner.plan([Seq(), Seq()]).rows] == [k, k]
-    Seq.acceptance.rate = 0.05  # drafting is far worse than not: switched off
-    assert [p.num_draft for p in planner.plan([Seq(), Seq()]).rows] == [0, 0]
+    def planned(planner):
+        return [p.num_draft for p in planner.plan([Seq(), Seq()]).rows]
+
+    def steady_planner(policy):
+        planner = StepPlanner(None, policy, drafts_with_model=True, looks_up=False, early_stop=True, steady=True)
+        planner._cap = lambda seq: 5
+        assert not planner.early_stop
+        return planner
+
+    # a draft that costs a third of a verify: unbounded, k = 3 (a step 2x a plain one); steady: k = 1
+    policy = _policy(lambda rows: 0.06, draft=0.02)
+    planner = steady_planner(policy)
+    k = planned(planner)[0]
+    assert policy.best_k([0.8] * 2, [5] * 2) == 3 and k == 1
+    assert policy.step_seconds(k, [5] * 2) <= STEADY_STEP_RATIO * policy.step_seconds(0, [5] * 2) < policy.step_seconds(k + 1, [5] * 2)
+
+    policy = _policy(lambda rows: 0.07, draft=0.005)  # a cheap draft: every k within the bound
+    planner = steady_planner(policy)
     rate = lambda a, k: policy.expected_rate(k, [a] * 2, [5] * 2)  # noqa: E731
-    marginal = [a / 100 for a in range(5, 99) if policy.best_k([a / 100] * 2, [5] * 2)
-                and rate(a / 100, policy.best_k([a / 100] * 2, [5] * 2)) < STEADY_MARGIN * rate(a / 100, 0)]
+    best = lambda a: policy.best_k([a] * 2, [5] * 2, None, STEADY_STEP_RATIO)  # noqa: E731
+    k = planned(planner)[0]
+    assert k == best(0.8) > 0
+    smaller = [a / 100 for a in range(5, 80) if 0 < best(a / 100) < k and rate(a / 100, best(a / 100)) < STEADY_MARGIN * rate(a / 100, k)]
+    assert smaller
+    Seq.acceptance.rate = smaller[-1]  # a smaller k is best now, but not by the margin: kept
+    assert planned(planner) == [k, k]
+    Seq.acceptance.rate = 0.05  # drafting is far worse than not: switched off
+    assert planned(planner) == [0, 0]
+    marginal = [a / 100 for a in range(5, 99) if best(a / 100) and rate(a / 100, best(a / 100)) < STEADY_MARGIN * rate(a / 100, 0)]
     assert marginal  # drafting pays, but less than the margin: plain decoding stays
     Seq.acceptance.rate = marginal[-1]
-    assert [p.num_draft for p in planner.plan([Seq(), Seq()]).rows] == [0, 0]
+    assert planned(planner) == [0, 0]
     Seq.acceptance.rate = 0.95
-    assert planner.plan([Seq(), Seq()]).rows[0].num_draft == policy.best_k([0.95] * 2, [5] * 2) > 0
-    assert isinstance(first.rows[0], SeqPlan)
+    assert planned(planner)[0] == best(0.95) > 0
 
 
 def test_steady_steps_draft_the_whole_k_and_stay_exact(pair):
@@ -202,7 +213,7 @@ def test_steady_steps_draft_the_whole_k_and_stay_exact(pair):
     reference = [o.token_ids for o in make_engine(target).generate(PROMPTS, GREEDY)]
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True, draft_stop_confidence=0.999,
                          steady_steps=True)
-    engine.policy.best_k = lambda rates, caps, lags=None: 3
+    engine.policy.best_k = lambda rates, caps, lags=None, ratio=None: 3
     drafted = []
     propose = engine.proposer.propose
     engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.extend(out.num_draft))[0]

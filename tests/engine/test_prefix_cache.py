@@ -176,7 +176,7 @@ def test_a_lagging_draft_cache_catches_up_in_chunks(pair):
     target, draft = pair
     engine = make_engine(target, draft, num_speculative_tokens=3, adaptive_k=True, draft_stop_confidence=0.0)
     drafting = {"on": False}
-    engine.policy.best_k = lambda rates, caps, lags=None: max(caps) if drafting["on"] else 0
+    engine.policy.best_k = lambda rates, caps, lags=None, ratio=None: max(caps) if drafting["on"] else 0
     rows = []
     forward = engine.proposer.runner.forward
     engine.proposer.runner.forward = lambda windows: rows.append(sum(len(w.token_ids) for w in windows)) or forward(windows)
