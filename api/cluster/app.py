@@ -54,6 +54,9 @@ class ClusterOptions:
     kv_lease_timeout_s: float = 30.0  # a prefill replica frees handed-over blocks nobody pulled by then
     kv_pull_timeout_s: float = 30.0  # a decode replica recomputes the prompt when a pull takes longer
     pull_delay_s: float = 0.0  # wait before every pull (fault tests: kill a prefill replica meanwhile)
+    # prefill replicas' CPU priority below the decode replicas' (Unix nice): on shared cores the
+    # scheduler serves the latency-bound decode steps first (the streams' gaps), prefill after
+    prefill_nice: int = 10
     # a tensor- or pipeline-parallel target with Ray ranks: each replica and its ranks one
     # placement group of `ranks` bundles (bundle 0 the replica's), packed or spread over machines
     ranks: int = 1
@@ -67,6 +70,8 @@ class ClusterOptions:
                              f"of {self.replicas} replicas")
         if self.prefill_replicas < 0:
             raise ValueError(f"--prefill-replicas must be >= 0, got {self.prefill_replicas}")
+        if not 0 <= self.prefill_nice <= 19:
+            raise ValueError(f"--prefill-nice must be in 0..19 (a replica can only lower its priority), got {self.prefill_nice}")
         if self.kv_lease_timeout_s <= 0 or self.kv_pull_timeout_s <= 0:
             raise ValueError("--kv-lease-timeout and --kv-pull-timeout must be positive")
         check_policy(self.router)
@@ -147,7 +152,7 @@ def build_app(engine_factory: Any, settings: Any, options: ClusterOptions, decod
         replica = deployment("EngineReplica", options.replicas).bind(engine_factory, **common)
         return ingress.bind(replica, settings, options.route_timeout_s)
     prefill = deployment("PrefillReplica", options.prefill_replicas).bind(
-        engine_factory, role="prefill", lease_timeout_s=options.kv_lease_timeout_s, **common)
+        engine_factory, role="prefill", lease_timeout_s=options.kv_lease_timeout_s, nice=options.prefill_nice, **common)
     decode = deployment("EngineReplica", options.replicas - options.prefill_replicas).bind(
         decode_factory or engine_factory, role="decode", prefill_handle=prefill, pull_timeout_s=options.kv_pull_timeout_s,
         pull_delay_s=options.pull_delay_s, **common)
@@ -231,6 +236,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="with --prefill-replicas: steady (default): decode replicas keep each step's k "
                         "(no early stop; another k only for a 15%% gain), so the streams' gaps stay even; "
                         "adaptive: k chosen each step, as a colocated replica does")
+    g.add_argument("--prefill-nice", type=int, default=ClusterOptions.prefill_nice, metavar="N",
+                   help="with --prefill-replicas: the prefill replicas' CPU priority, N steps below the decode "
+                        "replicas' (Unix nice; 0: the same), so that decode steps go first where they share cores")
     g.add_argument("--kv-lease-timeout", type=float, default=30.0, metavar="S",
                    help="with --prefill-replicas: a prefill replica frees handed-over KV nobody pulled after S seconds")
     g.add_argument("--kv-pull-timeout", type=float, default=30.0, metavar="S",
@@ -271,7 +279,7 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     cpus = os.cpu_count() or 1
     replica_cpus = args.replica_cpus or max(1.0, cpus // args.replicas)
     options = ClusterOptions(
-        replicas=args.replicas, prefill_replicas=args.prefill_replicas, router=args.router,
+        replicas=args.replicas, prefill_replicas=args.prefill_replicas, router=args.router, prefill_nice=args.prefill_nice,
         replica_cpus=replica_cpus, kv_lease_timeout_s=args.kv_lease_timeout, kv_pull_timeout_s=args.kv_pull_timeout,
         route_timeout_s=args.route_timeout, stall_timeout_s=args.stall_timeout, warmup=args.warmup,
         balance=PrefixPolicyConfig(args.router_balance_abs, args.router_balance_rel, args.router_min_match),

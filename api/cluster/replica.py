@@ -99,12 +99,14 @@ class EngineReplica:
     async def __init__(self, engine_factory: Callable[[], Any], warmup: bool = False,
                        stall_timeout_s: float = 300.0, step_delay_s: float = 0.0, role: str = "both",
                        prefill_handle: Any = None, lease_timeout_s: float = 30.0,
-                       pull_timeout_s: float = 30.0, pull_delay_s: float = 0.0) -> None:
+                       pull_timeout_s: float = 30.0, pull_delay_s: float = 0.0, nice: int = 0) -> None:
         from specdec.warmup import warm_up
 
         if role not in ROLES:
             raise ValueError(f"unknown replica role {role!r}; choose one of {', '.join(ROLES)}")
 
+        if nice:  # a prefill replica yields the cores to the decode replicas' steps where they compete
+            os.nice(nice)
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads and threads.isdigit():  # set per replica by `build_app`; torch reads it only at import
             import torch

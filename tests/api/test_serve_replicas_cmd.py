@@ -31,6 +31,10 @@ def test_replica_flags_parse_and_bad_ones_are_refused(capsys):
     assert (args.prefill_replicas, args.kv_lease_timeout, args.kv_pull_timeout) == (1, 5.0, 30.0)
     assert main(["serve", "--replicas", "2", "--prefill-replicas", "2"]) == 2
     assert "at least one decode replica" in capsys.readouterr().err
+    assert (args.decode_steps, args.prefill_nice) == ("steady", 10)  # decode replicas' defaults under PD
+    assert build_parser().parse_args(["serve", "--decode-steps", "adaptive"]).decode_steps == "adaptive"
+    assert main(["serve", "--replicas", "2", "--prefill-replicas", "1", "--prefill-nice", "25"]) == 2
+    assert "--prefill-nice must be in 0..19" in capsys.readouterr().err
     assert main(["serve", "--prefill-replicas", "1"]) == 2
     assert "needs --replicas" in capsys.readouterr().err
 
