@@ -37,8 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with adaptive k, a sequence stops drafting once the draft's probability "
                         "of its drafts so far falls below P (0: never)")
     g.add_argument("--steady-steps", action="store_true",
-                   help="with adaptive k: no early stop, and k changes only for a 15%% gain, so the "
-                        "streams' gaps between chunks stay even (a PD decode replica's default)")
+                   help="with adaptive k: draft only where a step stays within 1.5x a plain one, no early "
+                        "stop, k changes only for a 15%% gain, so the streams' gaps between chunks stay even "
+                        "(a PD decode replica's default)")
     g.add_argument("--draft-vocab", type=_draft_vocab, default="auto", metavar="N|full|auto",
                    help="the draft's LM head over the N most frequent ids (lossless: the target "
                         "verifies every token); auto: 32768 where a frequency table ships for the "

@@ -36,7 +36,8 @@ class EngineConfig:
     # falls below this (0: never; see DraftModelProposer); the policy then only decides whether
     # to draft, and the cap (num_speculative_tokens) bounds how far.
     draft_stop_confidence: float = 0.5
-    # With adaptive_k, even steps: no early stop, and the batch keeps its k until another promises
+    # With adaptive_k, even steps: a drafting step expected within 1.5x the batch's plain step
+    # (`planner.STEADY_STEP_RATIO`), no early stop, and the batch keeps its k until another promises
     # 15% more tokens per second (`planner.STEADY_MARGIN`), so the streams' gaps between chunks stay
     # even. A decode replica's default under prefill/decode disaggregation (`--decode-steps`).
     steady_steps: bool = False

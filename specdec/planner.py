@@ -15,7 +15,8 @@ streams' gaps instead of chasing every gain: the policy drafts only a k whose st
 take at most STEADY_STEP_RATIO times the same batch's step without drafting, there is no early
 stop, and the batch keeps its k until another promises STEADY_MARGIN more tokens per second
 (drafting stops as soon as plain decoding is expected to be faster). Whatever k the batch runs and
-whenever it changes, a stream's gap then stays within STEADY_STEP_RATIO of a plain step. (With
+whenever it changes, a stream's gap then stays within STEADY_STEP_RATIO of a plain step, as far
+as the policy's cost estimates see (a size never measured borrows its neighbour's cost). (With
 early stop and a k that moves each step, a step streams 1 token after ~0.15 s or 5 after ~0.5 s:
 a p99 gap 3-5x the median on the same work. Where verifying k + 1 rows costs little more than one,
 a GPU's, steady steps still draft; on one CPU core with 2+ streams they do not.)
@@ -45,7 +46,8 @@ class StepPlanner:
     `drafts_with_model`: the proposer has a draft model (its own cache: prefill steps do not
     draft). `looks_up`: it proposes by prompt lookup too (hybrid). `early_stop`: with a policy,
     the draft's confidence decides how far a sequence drafts, the policy only whether. `steady`:
-    with a policy, the batch's k changes only for a STEADY_MARGIN gain (and no early stop).
+    with a policy, a step within STEADY_STEP_RATIO of a plain one, the batch's k changed only for
+    a STEADY_MARGIN gain, and no early stop.
     """
 
     def __init__(

@@ -233,9 +233,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                         "target and draft) and hand both KV caches over; the other N - M decode. "
                         "Pays when long prompts arrive while other streams decode (docs/scaling.md)")
     g.add_argument("--decode-steps", choices=["steady", "adaptive"], default="steady",
-                   help="with --prefill-replicas: steady (default): decode replicas keep each step's k "
-                        "(no early stop; another k only for a 15%% gain), so the streams' gaps stay even; "
-                        "adaptive: k chosen each step, as a colocated replica does")
+                   help="with --prefill-replicas: steady (default): decode replicas draft only where a step "
+                        "stays within 1.5x a plain one, keep each step's k (no early stop; another k only for "
+                        "a 15%% gain), so the streams' gaps stay even; adaptive: k chosen each step, as a "
+                        "colocated replica does")
     g.add_argument("--prefill-nice", type=int, default=ClusterOptions.prefill_nice, metavar="N",
                    help="with --prefill-replicas: the prefill replicas' CPU priority, N steps below the decode "
                         "replicas' (Unix nice; 0: the same), so that decode steps go first where they share cores")

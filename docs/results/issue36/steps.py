@@ -3,12 +3,13 @@
 into applying commands (new requests, imported KV), the step and handing out deltas, the garbage
 collector's pauses, and the longest iterations with what they did.
 
-    python docs/results/issue36/steps.py PREFIX [N]
+    python docs/results/issue36/steps.py PREFIX [N]      (PREFIX.*.jsonl, or .jsonl.gz as kept here)
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import json
 import sys
 
@@ -20,8 +21,8 @@ def pct(values: list[float], q: float) -> float:
 
 def main() -> None:
     top = int(sys.argv[2]) if len(sys.argv) > 2 else 10
-    for path in sorted(glob.glob(sys.argv[1] + ".*.jsonl")):
-        lines = [json.loads(line) for line in open(path)]
+    for path in sorted(glob.glob(sys.argv[1] + ".*.jsonl") + glob.glob(sys.argv[1] + ".*.jsonl.gz")):
+        lines = [json.loads(line) for line in (gzip.open(path, "rt") if path.endswith(".gz") else open(path))]
         busy = [x for x in lines if x["tokens"]]
         if not busy:
             continue
