@@ -97,7 +97,9 @@ class StepPlanner:
             rates, caps = [p.seq.acceptance.rate for p in rows], [p.cap for p in rows]
             k = self.policy.best_k(rates, caps, lags, STEADY_STEP_RATIO if self.steady else None)
             if self.steady and any(caps):
-                k = self.steady_k = self._steady(k, lambda k: self.policy.expected_rate(k, rates, caps, lags))
+                limit = STEADY_STEP_RATIO * self.policy.step_seconds(0, caps, lags)
+                k = self.steady_k = self._steady(k, lambda k: self.policy.expected_rate(k, rates, caps, lags),
+                                                 lambda k: self.policy.step_seconds(k, caps, lags) <= limit)
             ks = [min(k, cap) for cap in caps]
         for p, k in zip(rows, ks):
             p.num_draft = self._catch_up_first(p, k, alone)
@@ -108,13 +110,15 @@ class StepPlanner:
             for p in rows:
                 p.num_draft = p.cap if p.num_draft else 0
 
-    def _steady(self, best: int, rate) -> int:
-        """Steady steps' k: the batch's k unless `best` (the policy's) promises STEADY_MARGIN more
-        tokens per second, except that a drafting batch stops drafting as soon as plain decoding
-        is expected to be faster at all (`rate(k)`: expected tokens/s). Hysteresis both ways, with
-        a lean to plain decoding, whose steps are the evenest (no draft catch-ups, no rejections)."""
+    def _steady(self, best: int, rate, fits) -> int:
+        """Steady steps' k: the batch's k unless `best` (the policy's, within the step bound)
+        promises STEADY_MARGIN more tokens per second, or the batch's k no longer `fits` the step
+        bound (the batch grew), except that a drafting batch stops drafting as soon as plain
+        decoding is expected to be faster at all (`rate(k)`: expected tokens/s). Hysteresis both
+        ways, with a lean to plain decoding, whose steps are the evenest (no draft catch-ups, no
+        rejections)."""
         kept = self.steady_k
-        if kept is None or best == kept:
+        if kept is None or best == kept or not fits(kept):
             return best
         if kept and best == 0:
             return 0 if rate(0) > rate(kept) else kept

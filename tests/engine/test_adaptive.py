@@ -205,6 +205,14 @@ def test_steady_steps_keep_the_batchs_k_until_another_pays_enough():
     Seq.acceptance.rate = 0.95
     assert planned(planner)[0] == best(0.95) > 0
 
+    # a lone stream's k that a batch of three no longer fits is dropped, gain or not
+    policy = _policy(lambda rows: 0.03 + 0.01 * rows, draft=0.005)
+    planner = steady_planner(policy)
+    lone = planner.plan([Seq()]).rows[0].num_draft
+    three = policy.best_k([0.95] * 3, [5] * 3, None, STEADY_STEP_RATIO)
+    assert lone > three and policy.step_seconds(lone, [5] * 3) > STEADY_STEP_RATIO * policy.step_seconds(0, [5] * 3)
+    assert [p.num_draft for p in planner.plan([Seq(), Seq(), Seq()]).rows] == [three] * 3
+
 
 def test_steady_steps_draft_the_whole_k_and_stay_exact(pair):
     """No early stop under steady steps: at a confidence bar that stops every draft after one
