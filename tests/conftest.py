@@ -21,12 +21,14 @@ def simd_level(request, monkeypatch) -> str:
     return request.param
 
 
-# Modules that start a local Ray (and Ray Serve): under `pytest -n 2 --dist loadgroup` (the README's
-# command) they run one after another on one worker, never two Rays at once.
+# Under `pytest -n 2 --dist loadgroup` (the README's command) each module runs whole on one worker,
+# in its order, as it does serially (a module-scoped server then sees its requests in the order
+# written); the modules that start a local Ray (and Ray Serve) share one group, so they run one
+# after another on one worker, never two Rays at once.
 RAY_MODULES = {"test_serve_replicas_cmd.py", "test_pd.py", "test_cluster.py", "test_ray_ranks.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in RAY_MODULES:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+        group = "ray" if item.path.name in RAY_MODULES else str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))

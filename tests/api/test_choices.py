@@ -86,7 +86,10 @@ def test_disconnect_aborts_every_choice(serve, make_engine):
     body = chat_body("a long story", n=3, max_tokens=400, ignore_eos=True, stream=True)
     with serve(engine) as server:
         with httpx.stream("POST", server.url + CHAT, json=body, timeout=30) as response:
-            for line in response.iter_lines():
+            # A name for the iterator: a `for` over a temporary one finalizes it at `break`, which
+            # closes the connection, and the server may abort before the assertion reads the slots.
+            lines = response.iter_lines()
+            for line in lines:
                 if '"content":"' in line and '"content":""' not in line:
                     break
             assert server.app.state.specdec.limiter.active == 3, "each choice holds a slot"
