@@ -27,6 +27,7 @@ from tests.target.moe_models import FAMILIES, moe_hf_config, moe_hf_model, write
 from tests.target.test_model_parity import TOL, _hf_logits, assert_prefill_matches
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [3, 4], [20, 21, 22, 23, 24, 25]]
+SEED = 0  # the expert-kernel parity test's input
 needs_kernel = pytest.mark.skipif(qgemm.unavailable_reason() is not None, reason=f"no C kernel: {qgemm.unavailable_reason()}")
 
 
@@ -135,11 +136,12 @@ def test_a_nan_row_still_chooses_k_distinct_experts_and_spares_the_others():
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
 def test_expert_kernel_computes_what_the_torch_block_does(family):
     """The C block (fp32 inside) against the torch loop over the same quantized experts (bf16
-    between ops): the same experts chosen, outputs within bf16 rounding."""
+    between ops): the same experts chosen, outputs within bf16 rounding. A seeded input: the two
+    routers round differently, and an unseeded one drew a row at a near-tie once in a CI run."""
     model = _quantized(family)
     layer = model.model.layers[0]
     block, norm = layer.mlp, layer.post_attention_layernorm
-    x = torch.randn(12, 64).bfloat16()
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(SEED)).bfloat16()
     native = block(x, norm, x)
     native_ids = block.last_expert_ids.long()
     kernel, block.kernel = block.kernel, None
