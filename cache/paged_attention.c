@@ -31,6 +31,7 @@
 
 #define KEYS 16 /* keys per softmax chunk: one zmm of scores */
 #define GROUP_MAX 8 /* query heads attended together over one read of their KV head */
+#define PREFETCH_KEYS 8 /* how far ahead a key row is prefetched */
 #define KEY_MAX (SPECDEC_MAX_LATENT_DIM > SPECDEC_MAX_HEAD_DIM ? SPECDEC_MAX_LATENT_DIM : SPECDEC_MAX_HEAD_DIM)
 
 /* Rotate `heads` heads of `d` bf16 values at x in place (neox halves), as apply_rope does in bf16. */
@@ -52,30 +53,48 @@ static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, 
 
 /* `g` query heads q[g][dk] (fp32) sharing one KV head against its keys 0..num_keys-1; head h's
  * softmax . V (dv wide) goes to out + h * dv. Each key and value is widened once for the g heads;
- * each head's operations are those of a lone head, in the same order (one head: g = 1). */
-static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t dk, int64_t dv,
-                         const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *blocks,
-                         int64_t block_size, int64_t slot_stride, float scale, float *acc, uint16_t *out) {
+ * each head's operations are those of a lone head, in the same order (one head: g = 1). The heads
+ * are the innermost loop, on accumulators that stay in registers for a constant g (`attend_group`
+ * instantiates one body per g): independent FMA chains, not one head's latency-bound chain after
+ * another. */
+static inline __attribute__((always_inline)) void attend_heads(
+        const float *q, const int64_t g, int64_t num_keys, int64_t dk, int64_t dv, const uint16_t *k_cache,
+        const uint16_t *v_cache, const int32_t *blocks, int64_t block_size, int64_t slot_stride, float scale,
+        float *acc, uint16_t *out) {
     const int64_t kvecs = dk / 16, vecs = dv / 16, d = dv; /* acc and out rows are dv wide */
     float max[GROUP_MAX], sum[GROUP_MAX], rescale[GROUP_MAX], s[GROUP_MAX][KEYS];
-    vf key[KEY_MAX / 16], a[GROUP_MAX];
+    vf a[GROUP_MAX], dot[GROUP_MAX];
     for (int64_t h = 0; h < g; h++) {
         max[h] = -INFINITY;
         sum[h] = 0.0f;
         for (int64_t v = 0; v < vecs; v++) vf_store(acc + h * d + 16 * v, vf_zero());
     }
+    int64_t block = 0, in_block = 0; /* key j0 + j's block table entry and slot in it */
+    int64_t ahead = 0, ahead_block = 0, ahead_in_block = 0; /* the key PREFETCH_KEYS on, likewise */
+    for (; ahead < num_keys && ahead < PREFETCH_KEYS; ahead++)
+        if (++ahead_in_block == block_size) ahead_in_block = 0, ahead_block++;
     for (int64_t j0 = 0; j0 < num_keys; j0 += KEYS) {
         const int64_t n = num_keys - j0 < KEYS ? num_keys - j0 : KEYS;
         int64_t offs[KEYS];
         for (int64_t j = 0; j < n; j++) {
-            const int64_t k = j0 + j;
-            offs[j] = ((int64_t)blocks[k / block_size] * block_size + k % block_size) * slot_stride;
-            for (int64_t v = 0; v < kvecs; v++) key[v] = vf_load_bf16(k_cache + offs[j] + 16 * v); /* exact */
-            for (int64_t h = 0; h < g; h++) {
-                vf dot = vf_zero();
-                for (int64_t v = 0; v < kvecs; v++) dot = vf_fmadd(vf_load(q + h * dk + 16 * v), key[v], dot);
-                s[h][j] = vf_reduce_add(dot) * scale;
+            offs[j] = ((int64_t)blocks[block] * block_size + in_block) * slot_stride;
+            if (++in_block == block_size) in_block = 0, block++;
+            /* Rows scattered over blocks, read once: the value row for this chunk's P.V, and the
+             * key row PREFETCH_KEYS on, are asked for now rather than waited for. */
+            for (int64_t o = 0; o < dv; o += 32) __builtin_prefetch(v_cache + offs[j] + o);
+            if (ahead < num_keys) {
+                const uint16_t *next = k_cache + ((int64_t)blocks[ahead_block] * block_size + ahead_in_block) * slot_stride;
+                for (int64_t o = 0; o < dk; o += 32) __builtin_prefetch(next + o);
+                if (++ahead_in_block == block_size) ahead_in_block = 0, ahead_block++;
+                ahead++;
             }
+            const uint16_t *key = k_cache + offs[j];
+            for (int64_t h = 0; h < g; h++) dot[h] = vf_zero();
+            for (int64_t v = 0; v < kvecs; v++) {
+                const vf kv = vf_load_bf16(key + 16 * v); /* exact */
+                for (int64_t h = 0; h < g; h++) dot[h] = vf_fmadd(vf_load(q + h * dk + 16 * v), kv, dot[h]);
+            }
+            for (int64_t h = 0; h < g; h++) s[h][j] = vf_reduce_add(dot[h]) * scale;
         }
         for (int64_t h = 0; h < g; h++) {
             for (int64_t j = n; j < KEYS; j++) s[h][j] = -INFINITY; /* a short last chunk */
@@ -101,6 +120,19 @@ static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t dk
         const vf inv = vf_set1(sum[h] > 0.0f ? 1.0f / sum[h] : 0.0f);
         for (int64_t v = 0; v < vecs; v++) vf_store_bf16(out + h * d + 16 * v, vf_mul(vf_load(acc + h * d + 16 * v), inv));
     }
+}
+
+/* attend_heads with g (1..GROUP_MAX) a constant in each body. */
+static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t dk, int64_t dv,
+                         const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *blocks,
+                         int64_t block_size, int64_t slot_stride, float scale, float *acc, uint16_t *out) {
+#define ATTEND_HEADS(G) \
+    case G: attend_heads(q, G, num_keys, dk, dv, k_cache, v_cache, blocks, block_size, slot_stride, scale, acc, out); break
+    switch (g) {
+        ATTEND_HEADS(1); ATTEND_HEADS(2); ATTEND_HEADS(3); ATTEND_HEADS(4);
+        ATTEND_HEADS(5); ATTEND_HEADS(6); ATTEND_HEADS(7); ATTEND_HEADS(8);
+    }
+#undef ATTEND_HEADS
 }
 
 /* Query heads a work item takes together: the most (a divisor of the group, at most GROUP_MAX)
