@@ -15,7 +15,8 @@ kernel) or the draft costs more than it saves.
 Costs are measured, not assumed: `CostTable` keeps an exponential average of wall-clock seconds
 per power-of-two bucket of the rows a forward takes (target forwards; draft-model forwards). A bucket
 never measured borrows its nearest measured neighbour, so untried sizes look as cheap as the
-closest known one and get tried; above the largest measured bucket the cost is extended along the
+closest known one and get tried (except where a step is bounded, as steady steps bound theirs:
+there `CostTable.upper` prices them, scaling the largest smaller size measured by the rows); above the largest measured bucket the cost is extended along the
 line through the two largest (a compute-bound forward grows with its rows). Acceptance is per
 sequence, from exponentially decayed counts with a prior; steps that drafted nothing decay the
 counts back toward the prior, so a sequence whose speculation was switched off gets retried.
@@ -106,6 +107,22 @@ class CostTable:
         nearest = min(self.seconds, key=lambda m: (abs(m - b), m))
         return self.seconds[nearest]
 
+    def upper(self, size: int) -> float:
+        """A cost not to be exceeded, for bounding a step rather than trying it: a measured bucket's
+        average; for a size never measured, the largest measured smaller size's scaled by the size
+        (a forward's cost grows at most in proportion to its rows: fixed costs only dilute), or,
+        with none smaller, the smallest larger size's (it only grows with its rows)."""
+        if not self.seconds:
+            return self.prior
+        b = self.bucket(size)
+        if b in self.seconds:
+            return self.seconds[b]
+        below = [m for m in self.seconds if m < b]
+        if below:
+            lo = max(below)
+            return self.seconds[lo] * size / max(self.sizes[lo], 1e-9)
+        return self.seconds[min(self.seconds)]
+
 
 class ExpertPricedCost(CostTable):
     """An MoE target's verify forwards priced through the experts they read:
@@ -163,6 +180,10 @@ class ExpertPricedCost(CostTable):
                 return seconds
         return super().__call__(size)
 
+    def upper(self, size: int) -> float:
+        fitted = self.__call__(size) if self._coef is not None else None
+        return max(fitted, super().upper(size)) if fitted is not None else super().upper(size)
+
 
 DRAFT_PRIOR_RATIO = 0.3  # an unmeasured draft step is priced at this share of a target forward
 
@@ -195,10 +216,10 @@ class SpeculationPolicy:
             if timings.verify_experts is not None and isinstance(self.verify_cost, ExpertPricedCost):
                 self.verify_cost.observe_experts(rows, timings.verify_experts, seconds)
 
-    def draft_forward_cost(self, rows: int) -> float:
+    def draft_forward_cost(self, rows: int, upper: bool = False) -> float:
         if self.draft_cost.seconds or self.draft_cost.prior is not None:
-            return self.draft_cost(rows)
-        return DRAFT_PRIOR_RATIO * self.verify_cost(rows)
+            return self.draft_cost.upper(rows) if upper else self.draft_cost(rows)
+        return DRAFT_PRIOR_RATIO * (self.verify_cost.upper(rows) if upper else self.verify_cost(rows))
 
     def choose_k(self, rates: list[float], caps: list[int], lags: list[int] | None = None) -> list[int]:
         """Each sequence's k (<= its cap) maximizing the batch's expected tokens per second.
@@ -213,11 +234,12 @@ class SpeculationPolicy:
                max_step_ratio: float | None = None) -> int:
         """The batch's k (before each sequence's cap) that `choose_k` applies; with
         `max_step_ratio`, among the k whose step is expected to take at most that many times a
-        step without drafting (`step_seconds`)."""
+        step without drafting (`step_seconds`), judged by the costs' upper bounds: a step size never
+        measured is not assumed to fit)."""
         best_k, best_rate = 0, 0.0
         limit = None if max_step_ratio is None else max_step_ratio * self.step_seconds(0, caps, lags)
         for k in range(max(caps, default=0) + 1):
-            if limit is not None and k and self.step_seconds(k, caps, lags) > limit:
+            if limit is not None and k and self.step_seconds(k, caps, lags, upper=True) > limit:
                 break  # a step only grows with k
             rate = self.expected_rate(k, rates, caps, lags)
             if rate > best_rate * 1.0001:  # ties go to the smaller k
@@ -229,16 +251,18 @@ class SpeculationPolicy:
         tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(rates, caps))
         return tokens / self.step_seconds(k, caps, lags)
 
-    def step_seconds(self, k: int, caps: list[int], lags: list[int] | None = None) -> float:
+    def step_seconds(self, k: int, caps: list[int], lags: list[int] | None = None, upper: bool = False) -> float:
         """A step's expected seconds when every sequence drafts min(k, its cap): the draft
-        forwards (the first feeds each drafting cache's lag) and the verify forward."""
+        forwards (the first feeds each drafting cache's lag) and the verify forward. `upper`:
+        sizes never measured priced by `CostTable.upper` instead of their nearest neighbour."""
         lags = lags or [1] * len(caps)
         ks = [min(k, cap) for cap in caps]
-        seconds = self.verify_cost(sum(ks) + len(ks))
+        rows = sum(ks) + len(ks)
+        seconds = self.verify_cost.upper(rows) if upper else self.verify_cost(rows)
         if any(ks):
             drafting = [b for b, kk in enumerate(ks) if kk]
-            seconds += self.draft_forward_cost(sum(max(1, lags[b]) for b in drafting))
-            seconds += (max(ks) - 1) * self.draft_forward_cost(len(drafting))
+            seconds += self.draft_forward_cost(sum(max(1, lags[b]) for b in drafting), upper)
+            seconds += (max(ks) - 1) * self.draft_forward_cost(len(drafting), upper)
         return seconds
 
 

@@ -16,7 +16,9 @@ take at most STEADY_STEP_RATIO times the same batch's step without drafting, the
 stop, and the batch keeps its k until another promises STEADY_MARGIN more tokens per second
 (drafting stops as soon as plain decoding is expected to be faster). Whatever k the batch runs and
 whenever it changes, a stream's gap then stays within STEADY_STEP_RATIO of a plain step, as far
-as the policy's cost estimates see (a size never measured borrows its neighbour's cost). (With
+as the policy's measured costs see (a size never measured is priced by an upper bound: the
+largest smaller size measured, scaled by the rows; borrowing the nearest neighbour's cost, 2
+streams drafted 6-12-row verifies priced as 3-4-row ones and their gaps ran 1.6x). (With
 early stop and a k that moves each step, a step streams 1 token after ~0.15 s or 5 after ~0.5 s:
 a p99 gap 3-5x the median on the same work. Where verifying k + 1 rows costs little more than one,
 a GPU's, steady steps still draft; on one CPU core with 2+ streams they do not.)
@@ -99,7 +101,7 @@ class StepPlanner:
             if self.steady and any(caps):
                 limit = STEADY_STEP_RATIO * self.policy.step_seconds(0, caps, lags)
                 k = self.steady_k = self._steady(k, lambda k: self.policy.expected_rate(k, rates, caps, lags),
-                                                 lambda k: self.policy.step_seconds(k, caps, lags) <= limit)
+                                                 lambda k: self.policy.step_seconds(k, caps, lags, upper=True) <= limit)
             ks = [min(k, cap) for cap in caps]
         for p, k in zip(rows, ks):
             p.num_draft = self._catch_up_first(p, k, alone)

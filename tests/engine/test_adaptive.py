@@ -55,6 +55,32 @@ def test_cost_table_extends_the_largest_measurements_along_their_line():
     assert table(64) == pytest.approx(0.050)
 
 
+def test_cost_table_upper_bounds_sizes_never_measured():
+    """A bound on a step's time must not trust a guess that may be low: a neighbour's cost, or the
+    line through two measurements (a memory-bound forward's flat line), for a size never run."""
+    table = CostTable(prior=None)
+    table.observe(2, 0.100)
+    table.observe(4, 0.120)
+    assert table.upper(2) == table(2) == 0.100 and table.upper(3) == 0.120  # measured buckets
+    assert table(8) == pytest.approx(0.120 + 0.010 * 4)  # the line through the two: 0.16 s
+    assert table.upper(8) == pytest.approx(0.120 * 8 / 4)  # in proportion to the rows: 0.24 s
+    assert table.upper(1) == 0.100  # below every measurement: the smallest measured, not less
+    assert CostTable(prior=7.0).upper(5) == 7.0
+
+
+def test_steady_steps_do_not_draft_a_step_size_never_measured():
+    """Only 1- and 2-row verifies measured, as on a decode replica whose streams never drafted:
+    borrowing would price a 4-row verify as a 2-row one and draft; steady steps do not."""
+    policy = SpeculationPolicy()
+    policy.verify_cost.observe(1, 0.080)
+    policy.verify_cost.observe(2, 0.090)
+    policy.draft_cost.observe(2, 0.010)
+    assert policy.best_k([0.9] * 2, [4] * 2) > 0  # unbounded: the borrowed prices say draft
+    assert policy.best_k([0.9] * 2, [4] * 2, None, 1.5) == 0
+    policy.verify_cost.observe(4, 0.100)  # measured: a 4-row verify fits the bound after all
+    assert policy.best_k([0.9] * 2, [4] * 2, None, 1.5) == 1
+
+
 def _policy(verify, draft: float) -> SpeculationPolicy:
     policy = SpeculationPolicy()
     for rows in (1, 2, 4, 8, 16, 32, 64, 128):
