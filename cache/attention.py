@@ -104,7 +104,8 @@ def paged_attention_ref(
     Each sequence's blocks are gathered into ``[B, max_kv, Hkv, D]``, the queries padded to
     ``[B, max_q, Hq, D]``, and key ``j`` is masked for query ``i`` unless
     ``j <= seq_len - query_len + i``. One SDPA call per chunk of sequences (a single chunk unless
-    the gathered KV would pass ``_GATHER_BYTES``). Reads only the host copies of the lengths, so
+    the gathered KV would pass ``_GATHER_BYTES``; one sequence a chunk in a step with a window
+    longer than ``_FOLD_MAX_QUERY_LEN``, so that a prompt's rows are bitwise those it gets alone). Reads only the host copies of the lengths, so
     it never syncs with the device. Computes in the query dtype. The chunking, gather indices and
     masks depend only on the metadata, so the first layer of a forward builds them
     (``_plan_chunks``) and the other layers reuse them.
@@ -163,6 +164,13 @@ def _plan_chunks(
     group = num_q_heads // num_kv_heads
     bytes_per_seq = max(1, meta.max_seq_len * num_kv_heads * head_dim * query.element_size())
     seqs_per_chunk = max(1, _GATHER_BYTES // bytes_per_seq)
+    if max(meta.query_lens_cpu, default=0) > _FOLD_MAX_QUERY_LEN:
+        # A prompt chunk: each sequence in an SDPA call of its own, the call it gets alone. Padded
+        # into one call with others, its rows went through a masked kernel instead of the causal
+        # one and came out different in the last bits: a prompt prefilled beside another one
+        # (two requests arriving together) then answered differently from the same prompt alone
+        # (measured: a HumanEval stream parted at its 169th greedy token, a 0.12-nat margin).
+        seqs_per_chunk = 1
     chunks = []
     for b0 in range(0, meta.num_seqs, seqs_per_chunk):
         seq_lens = meta.seq_lens_cpu[b0 : b0 + seqs_per_chunk]

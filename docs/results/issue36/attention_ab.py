@@ -1,9 +1,11 @@
-"""The decode attention kernel before and after reading a KV head once for all its query heads
-(0.14.1): bitwise the same outputs, and the time of one layer's call, side by side in one run.
+"""The decode attention kernel before and after a change: bitwise the same outputs, and the time
+of one layer's call, side by side in one run.
 
-    python docs/results/issue36/attention_ab.py [THREADS]   # from the repository root
+    python docs/results/issue36/attention_ab.py [THREADS] [OLD_COMMIT]   # from the repository root
 
-The old kernel is `cache/paged_attention.c` at commit ea28cda (read with `git show`); both are
+OLD_COMMIT ea28cda (the default): before a KV head was read once for all its query heads
+(0.14.1); 8458b51: before the group's heads became the innermost loop and rows were prefetched
+(0.20.1). The old kernel is `cache/paged_attention.c` at that commit (read with `git show`); both are
 built for the AVX2 level. Cases: the unit tests' `build_case` (garbage in unused slots,
 interleaved blocks) for the bitwise check; Qwen2.5-1.5B's heads (12 query / 2 KV heads of 128),
 2 sequences at 200 and 1,500 tokens of context, 1 and 4 rows each, for the times (best of 3
@@ -25,7 +27,7 @@ import tests.cache.test_paged_attention as cases  # noqa: E402
 from specdec.cache import cpu_attention  # noqa: E402
 from tests.cache.test_cpu_attention import _window_rows  # noqa: E402
 
-OLD_COMMIT = "ea28cda"
+OLD_COMMIT = sys.argv[2] if len(sys.argv) > 2 else "ea28cda"
 
 
 def libraries() -> dict:
