@@ -201,7 +201,11 @@ def build_engine(config: Any) -> Any:
 def start_ray(address: str | None, num_cpus: int | None = None, object_store_bytes: int = 256 << 20,
               log_to_driver: bool = True) -> None:
     """Join the cluster at `address`, or start a local Ray of `num_cpus`: no dashboard, a bounded
-    object store."""
+    object store, and its workers (the replicas) at niceness 0. Ray starts workers at 15 by
+    default (`worker_niceness`), under its own daemons and the clients on the same cores: a
+    decode replica's step lost its core whenever one of them woke (steps of 2-3x the median on a
+    2-core machine); a prefill replica still lowers its own (`--prefill-nice`). A cluster joined
+    at `address` keeps the niceness it was started with (`RAY_worker_niceness=0 ray start ...`)."""
     import ray
 
     if ray.is_initialized():
@@ -210,7 +214,7 @@ def start_ray(address: str | None, num_cpus: int | None = None, object_store_byt
         ray.init(address=address, logging_level=logging.WARNING)
         return
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, object_store_memory=object_store_bytes,
-             logging_level=logging.WARNING, log_to_driver=log_to_driver)
+             logging_level=logging.WARNING, log_to_driver=log_to_driver, _system_config={"worker_niceness": 0})
 
 
 def deploy(engine_factory: Any, settings: Any, options: ClusterOptions, host: str, port: int,

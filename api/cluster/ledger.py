@@ -69,6 +69,7 @@ class RoutingLedger:
                     "cached_tokens": self.cached_tokens[replica_id],
                     "running": stats.get("num_running", 0), "waiting": stats.get("num_waiting", 0),
                     "reported_at": stats.get("time"),  # the replica's clock when it reported
+                    "nice": stats.get("nice"),  # its process's CPU niceness
                     "active_requests": sorted(r for r, rep in self.active.items() if rep == replica_id),
                     **({"kv_transfer": _transfer_status(stats)} if stats.get("role") in ("prefill", "decode") else {}),
                 })

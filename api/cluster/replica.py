@@ -264,7 +264,7 @@ class EngineReplica:
             "num_waiting": snap.num_waiting, "num_running": snap.num_running, "acceptance": snap.acceptance,
             "role": self.role, "transfers": self.transfers.as_dict(),
             "leases_held": len(self.engine.engine.leases), "leases_expired": self.engine.engine.leases.num_expired,
-            "kv_imported_blocks": self.engine.kv_imported_blocks,
+            "kv_imported_blocks": self.engine.kv_imported_blocks, "nice": os.getpriority(os.PRIO_PROCESS, 0),
         }
 
     def check_health(self) -> None:

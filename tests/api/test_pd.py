@@ -89,6 +89,13 @@ def prompt_of(n: int, seed: int) -> list[int]:
     return [(i * 31 + seed * 17) % 300 + 5 for i in range(n)]
 
 
+def test_the_decode_replica_runs_at_niceness_0_and_the_prefill_replica_below_it(pd):
+    """The local Ray's workers start at niceness 0, not Ray's default 15 (beneath its own daemons
+    and the clients); the prefill replica lowers its own by `--prefill-nice` (10)."""
+    roles = pd.settle()
+    assert (roles["decode"]["nice"], roles["prefill"]["nice"]) == (0, ClusterOptions.prefill_nice)
+
+
 @pytest.mark.parametrize("length", [5, 16, 37])  # shorter than a block (8), a multiple of it, neither
 def test_greedy_answers_equal_colocated_serving(pd, colocated, length):
     prompt = prompt_of(length, seed=length)
