@@ -105,7 +105,8 @@ def paged_attention_ref(
     ``[B, max_q, Hq, D]``, and key ``j`` is masked for query ``i`` unless
     ``j <= seq_len - query_len + i``. One SDPA call per chunk of sequences (a single chunk unless
     the gathered KV would pass ``_GATHER_BYTES``; one sequence a chunk in a step with a window
-    longer than ``_FOLD_MAX_QUERY_LEN``, so that a prompt's rows are bitwise those it gets alone). Reads only the host copies of the lengths, so
+    longer than ``_FOLD_MAX_QUERY_LEN``, so that a prompt's rows are bitwise those it gets
+    alone). Reads only the host copies of the lengths, so
     it never syncs with the device. Computes in the query dtype. The chunking, gather indices and
     masks depend only on the metadata, so the first layer of a forward builds them
     (``_plan_chunks``) and the other layers reuse them.

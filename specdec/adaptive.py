@@ -16,8 +16,9 @@ Costs are measured, not assumed: `CostTable` keeps an exponential average of wal
 per power-of-two bucket of the rows a forward takes (target forwards; draft-model forwards). A bucket
 never measured borrows its nearest measured neighbour, so untried sizes look as cheap as the
 closest known one and get tried (except where a step is bounded, as steady steps bound theirs:
-there `CostTable.upper` prices them, scaling the largest smaller size measured by the rows); above the largest measured bucket the cost is extended along the
-line through the two largest (a compute-bound forward grows with its rows). Acceptance is per
+there `CostTable.upper` prices them, scaling the largest smaller size measured by the rows);
+above the largest measured bucket the cost is extended along the line through the two largest (a
+compute-bound forward grows with its rows). Acceptance is per
 sequence, from exponentially decayed counts with a prior; steps that drafted nothing decay the
 counts back toward the prior, so a sequence whose speculation was switched off gets retried.
 
@@ -181,8 +182,8 @@ class ExpertPricedCost(CostTable):
         return super().__call__(size)
 
     def upper(self, size: int) -> float:
-        fitted = self.__call__(size) if self._coef is not None else None
-        return max(fitted, super().upper(size)) if fitted is not None else super().upper(size)
+        bound = super().upper(size)
+        return bound if self._coef is None else max(self(size), bound)
 
 
 DRAFT_PRIOR_RATIO = 0.3  # an unmeasured draft step is priced at this share of a target forward
