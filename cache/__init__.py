@@ -5,7 +5,7 @@ from .block_pool import BlockKey, BlockPool, NoFreeBlocksError, PrefixCacheStats
 from . import cpu_attention
 from .block_table import BlockTable
 from .kv_cache import KVCacheSpec, PagedKVCache
-from .metadata import AttentionMetadata, build_attention_metadata, compact_blocks, select_sequences
+from .metadata import AttentionMetadata, build_attention_metadata, compact_blocks
 from .triton_attention import paged_attention_triton, triton_available
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "PagedKVCache",
     "build_attention_metadata",
     "compact_blocks",
-    "select_sequences",
     "cpu_attention",
     "paged_attention",
     "paged_attention_ref",

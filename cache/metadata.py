@@ -111,36 +111,3 @@ def compact_blocks(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMeta
     ids, inverse = torch.unique(meta.block_tables, return_inverse=True)
     return ids.long(), replace(meta, block_tables=inverse.to(torch.int32), scratch={})
 
-
-def select_sequences(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, AttentionMetadata]:
-    """`(rows [T'], meta')`: the flat token rows of sequences `seqs` (in that order) and the
-    metadata of a step of those sequences alone, over the same cache (the block tables keep their
-    width: the padding is never read).
-
-    >>> from specdec.cache import BlockPool
-    >>> pool = BlockPool(8)
-    >>> a, b = BlockTable(pool, block_size=2), BlockTable(pool, block_size=2)
-    >>> a.ensure_slots(5), b.ensure_slots(1)
-    (True, True)
-    >>> rows, m = select_sequences(build_attention_metadata([a, b], [0, 0], [5, 1], "cpu"), [1])
-    >>> rows.tolist(), m.slot_mapping.tolist(), m.query_start_loc.tolist(), m.max_query_len
-    ([5], [6], [0, 1], 1)
-    """
-    starts = [0]
-    for n in meta.query_lens_cpu:
-        starts.append(starts[-1] + n)
-    device = meta.slot_mapping.device
-    rows = torch.cat([torch.arange(starts[b], starts[b + 1], device=device) for b in seqs]) if seqs \
-        else torch.empty(0, dtype=torch.int64, device=device)
-    query_lens = [meta.query_lens_cpu[b] for b in seqs]
-    seq_lens = [meta.seq_lens_cpu[b] for b in seqs]
-    loc = [0]
-    for n in query_lens:
-        loc.append(loc[-1] + n)
-    index = torch.tensor(seqs, dtype=torch.long, device=device)
-    return rows, replace(
-        meta, slot_mapping=meta.slot_mapping[rows], block_tables=meta.block_tables[index].contiguous(),
-        seq_lens=meta.seq_lens[index].contiguous(), query_start_loc=torch.tensor(loc, dtype=torch.int32, device=device),
-        max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0), seq_lens_cpu=seq_lens,
-        query_lens_cpu=query_lens, scratch={},
-    )

@@ -1,4 +1,5 @@
-/* Decode/verify attention over a paged bf16 KV cache on the CPU, in one call per layer.
+/* Attention over a paged bf16 KV cache on the CPU, in one call per layer: decode and verify
+ * windows and prompt chunks alike.
  *
  * For a flat batch of query windows (the layout of `AttentionMetadata`), `rope_write_attend`:
  *   1. rotates each row's query and key heads in place by the row's position (optional: neox
@@ -15,7 +16,8 @@
  * is read (and widened to fp32) once for the whole group, while every head's arithmetic is the
  * one it would get alone, in the same order. So neither the grouping (chosen by the row count
  * and threads) nor what else is in the batch changes a bit of a row's result: verifying k+1 rows
- * gives bitwise the rows that k+1 single-row steps give.
+ * gives bitwise the rows that k+1 single-row steps give, and a prompt prefilled in any chunks
+ * gives bitwise the rows it gets in one.
  *
  * `latent_attend` is the same attention for multi-head latent attention's absorbed path: one KV
  * "head" per token, the latent (rank + rope wide), whose first dv values are the values; every
@@ -212,7 +214,7 @@ int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t 
         /* implicit barrier: every key of this step is in the cache before anyone attends */
         /* checked: d <= SPECDEC_MAX_HEAD_DIM; g <= GROUP_MAX */
         float q[GROUP_MAX * SPECDEC_MAX_HEAD_DIM], acc[GROUP_MAX * SPECDEC_MAX_HEAD_DIM];
-#pragma omp for schedule(static)
+#pragma omp for schedule(static, 1) /* interleaved: a prompt chunk's later rows see more keys */
         for (int64_t item = 0; item < num_rows * items_per_row; item++) {
             const int64_t t = item / items_per_row, h = item % items_per_row * g; /* heads h..h+g-1 */
             int64_t b = 0;

@@ -78,7 +78,7 @@ class Attention(nn.Module):
         norm: RMSNorm | None = None,  # applied to x first (fused into the projection where it can)
         residual: torch.Tensor | None = None,  # [T, hidden]: returned plus the attention output
     ) -> torch.Tensor:  # [T, hidden]
-        t, d, hq, hkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        hq, hkv = self.num_heads, self.num_kv_heads
         k_cache, v_cache = kv_cache.layer(layer_idx)
         if self.qkv_proj is not None:
             qkv = normed(norm, self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
@@ -95,15 +95,6 @@ class Attention(nn.Module):
                 qkv, hq, hkv, rotation.positions, rotation.cos_table, rotation.signed_sin_table,
                 k_cache, v_cache, meta, self.scale,
             )  # [T, Hq * D]: rope, KV write and attention in one kernel call
-        elif self.c_kernel_fits and (split := cpu_attention.short_windows(meta, qkv, k_cache, *scales)) is not None:
-            (rows, short), (long_rows, long) = split  # decoding streams in the kernel, prompt chunks in SDPA
-            out = qkv.new_empty(t, hq * d)
-            out[rows] = cpu_attention.rope_write_attend(
-                qkv[rows], hq, hkv, rotation.positions[rows], rotation.cos_table, rotation.signed_sin_table,
-                k_cache, v_cache, short, self.scale,
-            )
-            cos, sin = rotation.cos_sin
-            out[long_rows] = self._reference(qkv[long_rows], cos[long_rows], sin[long_rows], kv_cache, layer_idx, long)
         else:
             out = self._reference(qkv, *rotation.cos_sin, kv_cache, layer_idx, meta)
         return plus_linear(residual, self.o_proj, out)

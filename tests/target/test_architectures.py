@@ -44,6 +44,8 @@ def hf_config(arch: str):
     shape = dict(SHAPE)
     if arch == "qwen3":
         return tf.Qwen3Config(**shape, head_dim=32)
+    if arch == "qwen2":  # the default target's family (q/k/v biases); heads of 32 (the C attention's)
+        return tf.Qwen2Config(**{**shape, "hidden_size": 128})
     if arch == "llama3":
         return tf.LlamaConfig(**shape, rope_parameters=LLAMA3_ROPE)
     if arch == "gemma2":
@@ -396,20 +398,52 @@ def _stream_logits(runner: ModelRunner, chunk: int | None) -> list[torch.Tensor]
 @pytest.mark.skipif(cpu_attention.load_attention() is None,
                     reason=f"CPU attention kernel unavailable: {cpu_attention.kernel().unavailable_reason()}")
 def test_a_stream_beside_a_prompt_chunk_gets_bitwise_its_logits_alone(monkeypatch):
-    """In bf16 a step that carries a prompt chunk too long for the C attention (> MAX_QUERY_LEN
-    rows) still runs the streams' decode and verify rows through it, so a stream's tokens never
-    depend on what arrives beside it; the whole step on SDPA (the old way) differs in the last bits.
+    """In bf16 a step that carries another prompt's chunk runs every row, the chunk's too, through
+    the C attention, so a stream's tokens never depend on what arrives beside it.
     (Windowed layers stay on the reference for every row, as they do without a chunk.)"""
     model = from_hf(hf_model("qwen3"), torch.bfloat16)
     runner = ModelRunner.build(model, block_size=4, num_blocks=256)
-    chunk = cpu_attention.MAX_QUERY_LEN + 16
+    chunk = 80
     alone = _stream_logits(runner, None)
     calls = []
     kernel = cpu_attention.rope_write_attend
     monkeypatch.setattr(cpu_attention, "rope_write_attend", lambda qkv, *a: calls.append(qkv.shape[0]) or kernel(qkv, *a))
     beside = _stream_logits(runner, chunk)
-    assert calls and max(calls) <= cpu_attention.MAX_QUERY_LEN  # the chunk never went to the kernel
+    assert calls and max(calls) > chunk  # the stream's rows and the chunk's in one call
     for step, (a, b) in enumerate(zip(alone, beside)):
         assert torch.equal(a, b), f"step {step}"
-    monkeypatch.setattr(cpu_attention, "short_windows", lambda *a: None)
-    assert any(not torch.equal(a, b) for a, b in zip(alone[1:], _stream_logits(runner, chunk)[1:]))
+
+
+def _prompt_state(runner: ModelRunner, prompt: list[int], chunks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one decode row after `prompt` was prefilled in `chunks`, and the prompt's
+    keys and values as the cache holds them (every layer)."""
+    table, fed = runner.new_table(), 0
+    for n in chunks:
+        table.ensure_slots(fed + n)
+        runner.forward([Window(table, prompt[fed:fed + n], 1)])
+        fed += n
+    table.ensure_slots(len(prompt) + 1)
+    logits = runner.forward([Window(table, [prompt[0]], 1)]).clone()
+    slots = torch.tensor(table.slot_mapping(0, len(prompt)))
+    kv = runner.kv_cache.kv.flatten(2, 3)[:, :, slots].clone()  # [layers, 2, tokens, Hkv, D]
+    table.free()
+    return logits, kv
+
+
+@pytest.mark.skipif(cpu_attention.load_attention() is None,
+                    reason=f"CPU attention kernel unavailable: {cpu_attention.kernel().unavailable_reason()}")
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_a_prompt_prefilled_in_any_chunks_gives_bitwise_what_one_chunk_gives(family):
+    """How a prompt is chunked follows the load (adaptive chunked prefill, a prefix already
+    cached, a prefill replica), so no chunking may change a bit: in bf16 every window goes through
+    the C attention, which computes each row alone. On SDPA (causal for a whole prompt, masked for
+    a chunk after cached keys) the default target's logits moved by 0.5 between chunkings, and a
+    greedy answer served by 2 replicas parted from a plain server's at its second token."""
+    model = from_hf(hf_model(family), torch.bfloat16)
+    runner = ModelRunner.build(model, block_size=4, num_blocks=512)
+    prompt = [(7 * i + 3) % VOCAB for i in range(150)]
+    whole = _prompt_state(runner, prompt, [150])
+    for chunks in ([100, 50], [1, 149], [20, 33, 97], [64, 64, 22], [149, 1]):
+        logits, kv = _prompt_state(runner, prompt, chunks)
+        assert torch.equal(logits, whole[0]), chunks
+        assert torch.equal(kv, whole[1]), chunks
