@@ -32,8 +32,8 @@ def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
 # of GQA / MHA layers have no limit: every window, prompt chunks included, goes through
 # `rope_write_attend`, so a row's result never depends on how its prompt was chunked (SDPA's
 # causal, masked and blocked kernels each round differently: a prompt prefilled in one chunk and
-# in several gave logits 0.5 apart, and the chunking follows the load). Against SDPA the kernel
-# is 1.15x faster at 512 prompt tokens, 1.04x at 1,536 and 0.90x at 3,000 (default target, 2 threads).
+# in several gave logits 0.5 apart, and the chunking follows the load). Against SDPA, the default
+# target's prefill (2 threads): 0.87-1.15x at 512 prompt tokens, 1.04x at 1,536, 0.90-0.92x at 3,000.
 MAX_QUERY_LEN = 64
 
 
