@@ -32,8 +32,9 @@ def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
 # of GQA / MHA layers have no limit: every window, prompt chunks included, goes through
 # `rope_write_attend`, so a row's result never depends on how its prompt was chunked (SDPA's
 # causal, masked and blocked kernels each round differently: a prompt prefilled in one chunk and
-# in several gave logits 0.5 apart, and the chunking follows the load). Against SDPA, the default
-# target's prefill (2 threads): 0.87-1.15x at 512 prompt tokens, 1.04x at 1,536, 0.90-0.92x at 3,000.
+# in several gave logits 0.5 apart, and the chunking follows the load). The default target's
+# prefill here runs at 0.87-1.15x SDPA's speed at 512 prompt tokens, 1.04x at 1,536 and 0.90-0.92x
+# at 3,000 (2 threads; `docs/results/issue36/prefill_ab.py`).
 MAX_QUERY_LEN = 64
 
 
@@ -55,7 +56,7 @@ def supports(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, 
 
 def _kernel_reads(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, k_scale: float,
                   v_scale: float) -> bool:
-    """What `rope_write_attend` needs besides short windows: the C backend allowed, bf16 CPU
+    """What `rope_write_attend` needs: the C backend allowed, bf16 CPU
     tensors, a bf16 cache stored unscaled, heads a multiple of 32 up to `MAX_HEAD_DIM`, the
     kernel built (its library then kept in `meta.scratch` for the other layers' calls)."""
     head_dim = k_cache.shape[-1]
