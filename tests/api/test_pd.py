@@ -155,22 +155,25 @@ def test_speculation_drafts_and_accepts_as_colocated_and_metrics_show_the_transf
 def test_an_expired_lease_and_a_prefill_replica_killed_mid_transfer_cost_a_recompute(pd, colocated):
     """Last: it redeploys with leases shorter than the decode replica's wait before pulling. The
     lease outlives the client's leaving by seconds (the release goes through the ingress and a
-    pinned call: on a loaded CI machine 1.5 s, and once 4 s and once 7 s, were not enough), and
-    expires before the pull."""
-    pd.deploy_pd(kv_lease_timeout_s=12.0, pull_delay_s=15.0, kv_pull_timeout_s=5.0)
+    pinned call: alone it lands in well under a second, but on a loaded CI machine 1.5 s, and once
+    4 s, once 7 s and once 12 s, were not enough), and expires before the pull."""
+    pd.deploy_pd(kv_lease_timeout_s=30.0, pull_delay_s=35.0, kv_pull_timeout_s=5.0)
     expired = pd.settle()["prefill"]["kv_transfer"]["leases_expired"]
     payload = {"model": MODEL, "prompt": prompt_of(50, seed=31), "max_tokens": 40, "temperature": 0, "stream": True}
     with pd.client.stream("POST", "/v1/completions", json=payload) as response:
         for line in response.iter_lines():
             if line.startswith("data: {"):
                 break  # the first token (the prefill replica's): leave while the decode replica waits
-    roles = pd.settle()
-    assert roles["prefill"]["kv_transfer"]["leases_expired"] == expired  # freed by the client's leaving, not expiry
+    left = time.monotonic()
+    roles = pd.settle(timeout=45)
+    assert roles["prefill"]["kv_transfer"]["leases_expired"] == expired, (  # freed by the client's leaving, not expiry
+        f"the lease expired: not released within 30 s of the client's leaving (settled after "
+        f"{time.monotonic() - left:.1f} s)")
 
     prompt = prompt_of(40, seed=21)
     answer = pd.complete(prompt)  # its lease expires before the pull
     assert answer["choices"][0]["text"] == reference(colocated, prompt)
-    roles = pd.settle()
+    roles = pd.settle(timeout=45)
     assert roles["prefill"]["kv_transfer"]["leases_expired"] >= 1
     assert roles["decode"]["kv_transfer"]["recomputed"] >= 1 and roles["decode"]["kv_transfer"]["errors"]
     recomputed = roles["decode"]["kv_transfer"]["recomputed"]
