@@ -62,6 +62,13 @@ def _tables(inv_freq: torch.Tensor, scaling: float, max_positions: int) -> tuple
     return emb.cos() * scaling, signed
 
 
+def _ambient(tables: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The tables (computed on the CPU) on the device modules are built on now (`with
+    torch.device("cuda")`); under the loader's meta device they stay on the CPU, real."""
+    device = torch.get_default_device()
+    return tables if device.type in ("cpu", "meta") else tuple(t.to(device) for t in tables)
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (neox / rotate-half layout); a
     layer-typed config (Gemma 3) also gets the sliding layers' tables (`local_rotation`)."""
@@ -69,10 +76,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int) -> None:
         super().__init__()
         typed = layer_typed(hf_config)
-        cos, signed_sin = _tables(*inv_frequencies(hf_config, head_dim, "full_attention" if typed else None), max_positions)
+        cos, signed_sin = _ambient(_tables(*inv_frequencies(hf_config, head_dim, "full_attention" if typed else None),
+                                           max_positions))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("signed_sin", signed_sin, persistent=False)
-        local = _tables(*inv_frequencies(hf_config, head_dim, "sliding_attention"), max_positions) if typed else (None, None)
+        local = (_ambient(_tables(*inv_frequencies(hf_config, head_dim, "sliding_attention"), max_positions)) if typed
+                 else (None, None))
         self.register_buffer("local_cos", local[0], persistent=False)
         self.register_buffer("local_signed_sin", local[1], persistent=False)
 
