@@ -66,8 +66,12 @@ struct super_consts {
         a0 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a0, w0, x0_), w2, x1_);                       \
         a1 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a1, w1, x0_), w3, x1_);                       \
     } while (0)
+/* Rows a Q6_K register pass takes: a verify window in one pass (kernel_ab.py: 1.18-1.30x at 4-6
+ * rows). Q4_K keeps passes of KQUANT_PASS: 6 rows in one pass, or its halves in turn, spill (0.8-0.94x). */
+#define KQUANT_REG_PASS 6
 #else
 #define KQUANT_DPBUSD 0
+#define KQUANT_REG_PASS KQUANT_PASS
 #endif
 
 /* [v[0], v[0], v[1], v[1], ...] of 16 bytes, widened to int16: outputs 0-7 (lo) or 8-15 (hi) as
@@ -114,7 +118,7 @@ static inline __attribute__((always_inline)) void q4k_scale_rows(__m256 d0, __m2
     }
 }
 
-/* R <= KQUANT_PASS rows (xq `k` apart, consts `supers` apart) against a Q4_K tile: lo[r], hi[r]
+/* R <= KQUANT_REG_PASS rows (xq `k` apart, consts `supers` apart) against a Q4_K tile: lo[r], hi[r]
  * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. */
 static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, int64_t ahead, int64_t supers,
                                                           const int8_t *xq, const struct super_consts *sc,
@@ -125,13 +129,13 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, 
         const uint8_t *p = tile + s * Q4K_SUPER_BYTES;
         __m128i scs[8], mins[8];
         for (int j = 0; j < 8; j++) q4k_scales(p + 2048, j, &scs[j], &mins[j]);
-        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS], m0[KQUANT_PASS], m1[KQUANT_PASS];
+        __m256i i0[KQUANT_REG_PASS], i1[KQUANT_REG_PASS], m0[KQUANT_REG_PASS], m1[KQUANT_REG_PASS];
         for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
                 _mm_prefetch((const char *)p + ahead + 288 * j + 64 * line, _MM_HINT_T0);
 #if KQUANT_DPBUSD
-            __m256i a0[KQUANT_PASS], a1[KQUANT_PASS];
+            __m256i a0[KQUANT_REG_PASS], a1[KQUANT_REG_PASS];
             for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_si256();
 #else
             const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
@@ -191,14 +195,14 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *tile, 
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *p = tile + s * Q6K_SUPER_BYTES, *scales = p + 3072;
-        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS];
+        __m256i i0[KQUANT_REG_PASS], i1[KQUANT_REG_PASS];
         for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
         for (int j = 0; j < 16; j++) {
             for (int line = 0; line < 4; line++) /* 210 bytes a sub-block: the super-block's share */
                 _mm_prefetch((const char *)p + ahead + 210 * j + 64 * line, _MM_HINT_T0);
             const __m128i scj = _mm_loadu_si128((const __m128i *)(scales + 16 * j));
 #if KQUANT_DPBUSD
-            __m256i a0[KQUANT_PASS], a1[KQUANT_PASS];
+            __m256i a0[KQUANT_REG_PASS], a1[KQUANT_REG_PASS];
             for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_si256();
 #else
             const __m256i sc0 = pairs16_lo(scj, 1), sc1 = pairs16_hi(scj, 1);
