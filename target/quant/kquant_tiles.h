@@ -55,7 +55,7 @@ struct super_consts {
  * and multiplied by its scale once (KQ_DOT), instead of pair sums times the scale per block
  * (KQ_ROW): the same exact integers, so the same results as the other levels. `kernel_ab.py` on a
  * Zen 4: 1.2-1.33x at 2-6 rows (Q4_K and Q6_K); a 6-row verify forward of the default target
- * 1.17x faster. (AVX-VNNI's 16 registers would spill the per-row sub-block sums.) */
+ * 1.04-1.17x faster. (AVX-VNNI's 16 registers would spill the per-row sub-block sums.) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KQUANT_DPBUSD 1
 /* a0 += w0 . a[0..3] + w2 . a[4..7] per output 0-7, a1 the same with w1, w3 (outputs 8-15) */
