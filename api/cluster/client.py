@@ -38,6 +38,12 @@ from specdec.sequence import StepDelta
 
 logger = logging.getLogger("specdec.api")
 
+try:  # Ray Serve raises it from a call it cancelled with the request that made it (the client left)
+    from ray.serve.exceptions import RequestCancelledError
+except ImportError:  # the client's logic runs without Ray too (tests with fake handles)
+    class RequestCancelledError(Exception):  # type: ignore[no-redef]
+        pass
+
 # A per-request router override (the `x-specdec-router` header; benchmarks compare policies).
 REQUEST_POLICY: contextvars.ContextVar[str | None] = contextvars.ContextVar("specdec_router", default=None)
 MAX_ATTEMPTS = 2  # the first try and one retry on another replica
@@ -214,6 +220,12 @@ class ReplicaEngine:
         except asyncio.CancelledError:
             response.cancel()
             raise
+        except RequestCancelledError:
+            # Ray cancels a request's calls when the request is cancelled, and a task cancel that
+            # lands while the call is awaited comes out as this: either way the client left, so
+            # the pump ends here as cancelled (not "the replica failed": PD would go on to a
+            # decode replica nobody listens to while the prefill replica's lease expires)
+            raise asyncio.CancelledError from None
         except asyncio.TimeoutError:
             response.cancel()
             stream.queue.put_nowait(EngineDeadError(

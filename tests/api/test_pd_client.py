@@ -26,10 +26,12 @@ class RecordingHandle(FakeHandle):
     def __init__(self, *scripts: list) -> None:
         super().__init__(*scripts)
         self.sent: list[list] = []
+        self.released: list[tuple] = []
         self.release = self
 
-    def remote(self, requests=None, routing=None):
-        if isinstance(requests, str):  # release(lease_id)
+    def remote(self, requests=None, *lease, routing=None):
+        if isinstance(requests, str):  # release(request_id, lease_id, routing=pin)
+            self.released.append((requests, *lease, routing.pin))
             return None
         if requests is not None:
             self.sent.append(requests)
@@ -53,6 +55,30 @@ def test_the_first_token_streams_from_prefill_and_decode_resumes_with_the_ticket
         assert prefill.sent[0][0].handoff and not decode.sent[0][0].handoff
         resumed = decode.sent[0][0]
         assert resumed.generated == [5] and resumed.ticket == TICKET and resumed.prefill_replica == "p"
+
+    run(go())
+
+
+def test_a_client_leaving_while_ray_cancels_the_prefill_call_frees_the_lease_and_decodes_nothing():
+    """Ray Serve cancels a request's calls when the client leaves: the prefill stream then raises
+    RequestCancelledError (also when our own task cancel lands while it is awaited). That is the
+    client leaving, not a failed prefill replica: the pump ends, the lease is released on the
+    replica that holds it, and no decode replica is asked (CI once saw the lease expire instead)."""
+    RequestCancelledError = pytest.importorskip("ray.serve.exceptions").RequestCancelledError
+
+    async def go():
+        prefill = RecordingHandle([[Accepted("p")], [delta("r", [5]), Handoff("r", "p", TICKET)], 0.05,
+                                   RequestCancelledError("r")])
+        decode = RecordingHandle([[Accepted("d")], [delta("r", [6], True)]])
+        engine = await started(decode, prefill)
+        stream = engine.submit_all([request()])
+        first = await stream.__anext__()
+        assert first.token_ids == [5]
+        task = engine._tasks["r"]
+        await asyncio.wait([task], timeout=5)
+        assert task.cancelled()
+        assert decode.sent == []  # no decode replica was asked
+        assert prefill.released == [("r", TICKET.lease_id, "p")]  # on the replica holding the lease
 
     run(go())
 
