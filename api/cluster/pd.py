@@ -16,8 +16,9 @@ What can go wrong, and what happens:
   streamed (`TransferCounters.recomputed`);
 - the decode replica fails before streaming: once more on another decode replica; after: the
   stream ends with an error event (as without PD);
-- the client leaves: both streams are cancelled and their requests aborted; a lease nobody pulls
-  expires (`--kv-lease-timeout`).
+- the client leaves: both streams are cancelled and their requests aborted, and the prefill replica
+  is asked to free the lease (by a call outside the client's request: Ray Serve cancels that
+  request's calls); a lease nobody pulls or frees expires (`--kv-lease-timeout`).
 
 Greedy outputs equal colocated serving's: the decode replica computes exactly the positions the
 prefill replica did not (the prompt's partial last block and the first token), on the same kernels.
@@ -26,6 +27,7 @@ prefill replica did not (the prompt's partial last block and the first token), o
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from dataclasses import replace
 from typing import Any
@@ -88,25 +90,26 @@ class PDReplicaEngine(ReplicaEngine):
         holder = state.prefill_hint.replica_id if state.prefill_hint is not None else None
         if holder is None:
             return  # no prefill replica took them
+        loop = asyncio.get_running_loop()
         for request in state.requests:
             ticket = state.tickets.get(request.request_id)
-            try:
-                response = self._prefill.release.remote(request.request_id, ticket.lease_id if ticket else None,
-                                                        routing=RoutingHint(pin=holder))
-            except Exception as exc:  # noqa: BLE001 - the replica is gone: so are its leases
-                logger.debug("releasing %s on %s: %s", request.request_id, holder, exc)
-                continue
-            if response is not None:  # awaited in the background: the call is not dropped with it
-                task = asyncio.get_running_loop().create_task(_quietly(response))
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
+            call = self._prefill.release.remote, request.request_id, ticket.lease_id if ticket else None, holder
+            # Made from an empty context, the call belongs to no request: Ray Serve cancels the calls
+            # a request makes when that request is cancelled, and the client leaving is exactly that
+            # (made in the request's context, a release still being routed was cancelled with it and
+            # the lease held its blocks until it expired). Awaited in the background, never dropped.
+            task = contextvars.Context().run(loop.create_task, _release_quietly(*call))
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
 
 
-async def _quietly(response: Any) -> None:
+async def _release_quietly(release: Any, request_id: str, lease_id: str | None, holder: str) -> None:
     try:
-        await response
+        response = release(request_id, lease_id, routing=RoutingHint(pin=holder))
+        if response is not None:
+            await response
     except Exception as exc:  # noqa: BLE001 - a dead replica holds nothing
-        logger.debug("a release failed: %s", exc)
+        logger.debug("releasing %s on %s: %s", request_id, holder, exc)
 
 
 class _Handover:

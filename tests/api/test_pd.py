@@ -155,10 +155,10 @@ def test_speculation_drafts_and_accepts_as_colocated_and_metrics_show_the_transf
 def test_an_expired_lease_and_a_prefill_replica_killed_mid_transfer_cost_a_recompute(pd, colocated):
     """Last: it redeploys with leases shorter than the decode replica's wait before pulling. The
     lease outlives the client's leaving by far (the release goes through the ingress and a pinned
-    call, well under a second), and expires before the pull. (On loaded CI machines the lease once
-    expired instead, with 1.5 to 30 s to spare: Ray's cancel of the prefill call was taken for a
-    failed prefill replica and the request went on to the decode replica; see test_pd_client's
-    `test_a_client_leaving_while_ray_cancels_the_prefill_call_frees_the_lease_and_decodes_nothing`.)"""
+    call, well under a second), and expires before the pull. (On loaded CI machines the lease
+    expired instead, twice for two causes: Ray's cancel of the prefill call was taken for a failed
+    prefill replica; and the release, made in the client's request, was cancelled with it while
+    still being routed. See test_pd_client's tests of a client leaving.)"""
     pd.deploy_pd(kv_lease_timeout_s=30.0, pull_delay_s=35.0, kv_pull_timeout_s=5.0)
     expired = pd.settle()["prefill"]["kv_transfer"]["leases_expired"]
     payload = {"model": MODEL, "prompt": prompt_of(50, seed=31), "max_tokens": 40, "temperature": 0, "stream": True}

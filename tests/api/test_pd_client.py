@@ -21,7 +21,8 @@ TICKET = HandoffTicket("lease-1", 10, {"target": (b"k" * 16,), "draft": (b"k" * 
 
 
 class RecordingHandle(FakeHandle):
-    """Also keeps the requests each call sent."""
+    """Also keeps the requests each call sent, and the releases (with the client request they were
+    made in: Ray Serve cancels the calls a request makes when the request is cancelled)."""
 
     def __init__(self, *scripts: list) -> None:
         super().__init__(*scripts)
@@ -31,11 +32,21 @@ class RecordingHandle(FakeHandle):
 
     def remote(self, requests=None, *lease, routing=None):
         if isinstance(requests, str):  # release(request_id, lease_id, routing=pin)
-            self.released.append((requests, *lease, routing.pin))
+            self.released.append((requests, *lease, routing.pin, _client_request()))
             return None
         if requests is not None:
             self.sent.append(requests)
         return super().remote(requests, routing)
+
+
+def _client_request() -> str | None:
+    """The Ray Serve request a call is made in (its child: cancelled with it); None: none."""
+    try:
+        from ray.serve.context import _serve_request_context
+    except ImportError:
+        return None
+    context = _serve_request_context.get()
+    return context._internal_request_id or None if context is not None else None
 
 
 async def started(decode: FakeHandle, prefill: FakeHandle) -> PDReplicaEngine:
@@ -43,6 +54,12 @@ async def started(decode: FakeHandle, prefill: FakeHandle) -> PDReplicaEngine:
     engine.start()
     await engine._describe_task
     return engine
+
+
+async def released(engine: PDReplicaEngine) -> None:
+    """Wait for the releases the engine sent in the background."""
+    if engine._releases:
+        await asyncio.wait(set(engine._releases), timeout=5)
 
 
 def test_the_first_token_streams_from_prefill_and_decode_resumes_with_the_ticket():
@@ -78,7 +95,35 @@ def test_a_client_leaving_while_ray_cancels_the_prefill_call_frees_the_lease_and
         await asyncio.wait([task], timeout=5)
         assert task.cancelled()
         assert decode.sent == []  # no decode replica was asked
-        assert prefill.released == [("r", TICKET.lease_id, "p")]  # on the replica holding the lease
+        await released(engine)
+        assert prefill.released == [("r", TICKET.lease_id, "p", None)]  # on the replica holding the lease
+
+    run(go())
+
+
+def test_a_client_leaving_while_the_decode_replica_waits_releases_the_lease_outside_the_clients_request():
+    """The client leaves after the first token, while the decode replica waits to pull: the
+    release goes to the prefill replica holding the lease, made outside the client's request (in
+    it, Ray Serve cancelled the release with the request, and CI saw the lease expire instead)."""
+    context = pytest.importorskip("ray.serve.context")
+
+    async def go():
+        prefill = RecordingHandle([[Accepted("p")], [delta("r", [5]), Handoff("r", "p", TICKET)]])
+        decode = RecordingHandle([[Accepted("d")], 30.0, [delta("r", [6], True)]])
+        engine = await started(decode, prefill)
+        # as on the ingress replica: the calls made while serving the client's request are its children
+        context._serve_request_context.set(context._RequestContext(_internal_request_id="client-request"))
+        stream = engine.submit_all([request()])
+        first = await stream.__anext__()
+        assert first.token_ids == [5]
+        await asyncio.sleep(0.05)  # the decode replica has it and waits
+        assert decode.sent[0][0].ticket == TICKET
+        task = engine._tasks["r"]
+        engine.abort("r")
+        await asyncio.wait([task], timeout=5)
+        assert task.cancelled() and decode.responses[0].cancelled
+        await released(engine)
+        assert prefill.released == [("r", TICKET.lease_id, "p", None)]
 
     run(go())
 
