@@ -126,3 +126,66 @@ static inline __attribute__((always_inline)) void q50_rows_unpacked(const uint8_
                         groups, g, R, lo, hi);
     }
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+/* AVX-512 VNNI: a group's 16 outputs in one zmm (the tile's 64-byte blocks are the int4 tiles' dword
+ * lanes, output n in lane n), products summed by `vpdpbusd` in int32, passes of up to MAX_ROWS rows,
+ * and the packed tile or the decoded one read by the same loop. The integer sums are the AVX2
+ * path's, and the fp32 steps the same operations per output, so the results are bitwise its. */
+#define Q50_WIDE 1
+#undef Q50_UNPACKED_ROWS
+#define Q50_UNPACKED_ROWS (2 * MAX_ROWS + 1) /* decoded once when a call makes more than two passes */
+
+static inline __attribute__((always_inline)) __m512i q50_top_wide(__m512i t, int s) {
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    return _mm512_and_si512(s <= 4 ? _mm512_slli_epi16(t, 4 - s) : _mm512_srli_epi16(t, s - 4), bit4);
+}
+
+/* acc[r] = R rows' (xq `k` apart, consts `groups` apart) products with a Q5_0 tile: packed at
+ * `tile` (prefetching `ahead`), or decoded by q50_unpack_tile (`unpacked`). Two int32 sums per
+ * row (the low and high nibbles' inputs) halve the chains of `vpdpbusd`. */
+static inline __attribute__((always_inline)) void q50_rows_wide(const uint8_t *tile, int64_t ahead, const int unpacked,
+                                                               int64_t groups, const int8_t *xq,
+                                                               const struct group_consts *gc, int64_t k, const int R,
+                                                               vf *acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *xg = xq + g * GROUP;
+        __m512i lo_sum[MAX_ROWS], hi_sum[MAX_ROWS];
+        for (int r = 0; r < R; r++) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
+        __m512 d;
+        if (unpacked) {
+            const uint8_t *q = tile + g * Q50_UNPACKED_GROUP;
+            for (int b = 0; b < 4; b++) {
+                const __m512i lo = _mm512_load_si512((const void *)(q + 128 * b));
+                const __m512i hi = _mm512_load_si512((const void *)(q + 128 * b + 64));
+                for (int r = 0; r < R; r++) {
+                    DPBUSD_BCST(lo_sum[r], lo, xg + r * k + 8 * b);
+                    DPBUSD_BCST(hi_sum[r], hi, xg + r * k + 8 * b + 4);
+                }
+            }
+            d = _mm512_load_ps((const float *)(q + 512));
+        } else {
+            const uint8_t *p = tile + g * Q50_GROUP_BYTES;
+            for (int line = 0; line < Q50_GROUP_BYTES; line += 64) _mm_prefetch((const char *)p + ahead + line, _MM_HINT_T0);
+            const __m512i t = _mm512_loadu_si512((const void *)(p + 256));
+            for (int b = 0; b < 4; b++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * b));
+                const __m512i lo = _mm512_or_si512(_mm512_and_si512(w, nibble), q50_top_wide(t, 2 * b));
+                const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 4), nibble), q50_top_wide(t, 2 * b + 1));
+                for (int r = 0; r < R; r++) {
+                    DPBUSD_BCST(lo_sum[r], lo, xg + r * k + 8 * b);
+                    DPBUSD_BCST(hi_sum[r], hi, xg + r * k + 8 * b + 4);
+                }
+            }
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 320)));
+        }
+        for (int r = 0; r < R; r++) { /* (d * xs) * cvt(i - 16 * sum(xq)), as q50_group_scale */
+            const struct group_consts *c = &gc[r * groups + g];
+            const __m512i i = _mm512_sub_epi32(_mm512_add_epi32(lo_sum[r], hi_sum[r]), _mm512_set1_epi32(16 * c->isum));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(c->scale)), _mm512_cvtepi32_ps(i), acc[r]);
+        }
+    }
+}
+#endif

@@ -189,6 +189,17 @@ static inline int is_grouped(int bits) { /* activations per 32 inputs */
     return bits == 4 || bits == 8 || bits == SPECDEC_TILE_Q5_0 || bits == SPECDEC_TILE_Q8_0;
 }
 
+#ifdef Q50_WIDE /* R <= MAX_ROWS rows against a Q5_0 tile, packed or decoded into q50u (block32_tiles.h) */
+#define Q50_WIDE_ROWS(R)                                                                                 \
+    do {                                                                                                 \
+        vf acc[MAX_ROWS];                                                                                \
+        if (q50u) q50_rows_wide(q50u, 0, 1, groups, xq + row * k, gc + row * groups, k, R, acc);         \
+        else q50_rows_wide(tile, row == 0 ? PREFETCH_BYTES : next_ahead, 0, groups, xq + row * k,        \
+                           gc + row * groups, k, R, acc);                                                \
+        store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
+    } while (0)
+#endif
+
 /* R <= Q50_PASS rows against a Q5_0 tile (block32_tiles.h) */
 #define Q50_ROWS(R)                                                                                      \
     do {                                                                                                 \
@@ -295,6 +306,18 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             }
             if (bits == SPECDEC_TILE_Q5_0) {
                 if (q50u) q50_unpack_tile(tile, groups, q50u); /* NULL (few rows, or no memory): decoded per pass */
+#ifdef Q50_WIDE
+                for (; row + MAX_ROWS <= m; row += MAX_ROWS) Q50_WIDE_ROWS(MAX_ROWS);
+                switch (m - row) { /* the rest, each count its own unrolled instance */
+                    case 5: Q50_WIDE_ROWS(5); break;
+                    case 4: Q50_WIDE_ROWS(4); break;
+                    case 3: Q50_WIDE_ROWS(3); break;
+                    case 2: Q50_WIDE_ROWS(2); break;
+                    case 1: Q50_WIDE_ROWS(1); break;
+                    default: break;
+                }
+                continue;
+#endif
                 for (; q50u && row + Q50_UNPACKED_PASS <= m; row += Q50_UNPACKED_PASS) Q50_UNPACKED_ROWS_OF(Q50_UNPACKED_PASS);
                 if (q50u && m - row == 2) {
                     Q50_UNPACKED_ROWS_OF(2);

@@ -1,8 +1,9 @@
 """qgemm at this checkout against qgemm built from another commit's sources, on the same tiles:
 one linear of the default target's shapes (random valid Q4_K / Q6_K blocks), 2 threads, old and
 new alternated 7 times, median ms (the matrices fit in L3: the compute-bound side, as prefill
-chunks and verify windows are). Usage: python kernel_ab.py GIT_REF [rows ...]"""
-import copy, ctypes, pathlib, statistics, subprocess, sys, tempfile, time
+chunks and verify windows are). Usage: python kernel_ab.py GIT_REF [rows ...]; KINDS=q50 (or
+q4k,q6k,q50: the default's first two) picks the tensors, q50 the draft's Q5_0 gate|up."""
+import copy, ctypes, os, pathlib, statistics, subprocess, sys, tempfile, time
 import torch
 from specdec import kernel_abi, native
 from specdec.target.quant.qlinear import QLinear
@@ -33,7 +34,9 @@ def once(f, reps):
 
 print(f"level {level.name}; old: {ref}")
 print(f"| tensor | rows | this checkout ms | {ref} ms | {ref} / this |\n|---|---|---|---|---|")
-for kind, n, k, name in ((12, 17920, 1536, "Q4_K gate|up 17920x1536"), (14, 1536, 8960, "Q6_K down 1536x8960")):
+SHAPES = {"q4k": (12, 17920, 1536, "Q4_K gate|up 17920x1536"), "q6k": (14, 1536, 8960, "Q6_K down 1536x8960"),
+          "q50": (6, 9728, 896, "Q5_0 draft gate|up 9728x896")}
+for kind, n, k, name in (SHAPES[s] for s in os.environ.get("KINDS", "q4k,q6k").split(",")):
     new = QLinear.from_gguf(k_blocks(kind, n, k, seed=1), kind, k, None)
     old = copy.copy(new)
     old._lib = old_lib
