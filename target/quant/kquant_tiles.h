@@ -245,13 +245,123 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *tile, 
     }
 }
 
+#if KQUANT_DPBUSD && defined(__AVX512F__) && defined(__AVX512BW__)
+/* AVX-512 VNNI, 512 bits: a k-quant tile's 16 outputs in one zmm (the 64-byte blocks' dword lanes
+ * are the outputs), passes of up to MAX_ROWS rows. The same integer sums and, lane by lane, the
+ * same fp32 operations as q4k_rows / q6k_rows, so the results are bitwise theirs; half the
+ * instructions for the same work, and a verify window of 4-6 rows in one pass. `kernel_ab.py` on
+ * a Zen 4 against the 256-bit passes: Q4_K 1.1-1.4x at 1-7 rows, Q6_K 1.03-1.2x; the default
+ * target's 4-row forward 1.27-1.32x, 6-row 1.1-1.24x, 1-2 rows unchanged (memory-bound). */
+#define KQUANT_WIDE 1
+
+/* [a[n], b[n]] as int16 pairs for the 16 outputs (zip16_lo, then zip16_hi) */
+static inline __m512i zip16_wide(__m128i a, __m128i b, int sign) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(zip16_lo(a, b, sign)), zip16_hi(a, b, sign), 1);
+}
+
+/* acc[r] = R <= MAX_ROWS rows (xq `k` apart, consts `supers` apart) times a Q4_K tile */
+static inline __attribute__((always_inline)) void q4k_rows_wide(const uint8_t *tile, int64_t ahead, int64_t supers,
+                                                               const int8_t *xq, const struct super_consts *sc,
+                                                               int64_t k, const int R, __m512 *acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *p = tile + s * Q4K_SUPER_BYTES;
+        const int8_t *xs0 = xq + s * SUPER;
+        __m512i i[MAX_ROWS], m[MAX_ROWS];
+        for (int r = 0; r < R; r++) i[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
+                _mm_prefetch((const char *)p + ahead + 288 * j + 64 * line, _MM_HINT_T0);
+            __m512i a[MAX_ROWS];
+            for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+            for (int b = 0; b < 4; b++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (4 * j + b)));
+                const __m512i l = _mm512_and_si512(w, nibble), h = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                for (int r = 0; r < R; r++) {
+                    DPBUSD_BCST(a[r], l, xs0 + r * k + 32 * j + 8 * b);
+                    DPBUSD_BCST(a[r], h, xs0 + r * k + 32 * j + 8 * b + 4);
+                }
+            }
+            __m128i scj, mj;
+            q4k_scales(p + 2048, j, &scj, &mj);
+            const __m512i s32 = _mm512_cvtepu8_epi32(scj); /* the sub-block's sums times its scale, once */
+            for (int r = 0; r < R; r++) i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(a[r], s32));
+        }
+        for (int r = 0; r < R; r++) m[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) { /* sum_j m_j * sum_j(xq), the mins of j and j + 1 as pairs */
+            __m128i sc0, m0, sc1, m1;
+            q4k_scales(p + 2048, j, &sc0, &m0), q4k_scales(p + 2048, j + 1, &sc1, &m1);
+            const __m512i mp = zip16_wide(m0, m1, 0);
+            for (int r = 0; r < R; r++)
+                m[r] = _mm512_add_epi32(m[r], _mm512_madd_epi16(mp, _mm512_set1_epi32(*(const int32_t *)&sc[r * supers + s].sum32[j])));
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2240)));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2272)));
+        for (int r = 0; r < R; r++) { /* as q4k_scale_rows */
+            const __m512 t = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(i[r]), _mm512_mul_ps(dm, _mm512_cvtepi32_ps(m[r])));
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * supers + s].scale), t, acc[r]);
+        }
+    }
+}
+
+/* q4k_rows_wide for a Q6_K tile: a block's two 512-bit vectors (its 4 inputs of each half of the
+ * tile, then the other 4) take their top bits from one broadcast plane, shifted per half. */
+static inline __attribute__((always_inline)) void q6k_rows_wide(const uint8_t *tile, int64_t ahead, int64_t supers,
+                                                               const int8_t *xq, const struct super_consts *sc,
+                                                               int64_t k, const int R, __m512 *acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    /* per 16-bit lane: the low half (outputs 0-7) shifts its plane by 4 (left) and 0, the high by 2 and 2 */
+    const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i down = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *p = tile + s * Q6K_SUPER_BYTES, *scales = p + 3072;
+        const int8_t *xs0 = xq + s * SUPER;
+        __m512i i[MAX_ROWS];
+        for (int r = 0; r < R; r++) i[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 16; j++) {
+            for (int line = 0; line < 4; line++) /* 210 bytes a sub-block: the super-block's share */
+                _mm_prefetch((const char *)p + ahead + 210 * j + 64 * line, _MM_HINT_T0);
+            __m512i a[MAX_ROWS];
+            for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+            for (int b = 0; b < 2; b++) {
+                const uint8_t *w = p + 96 * (2 * j + b);
+                const __m512i v = _mm512_loadu_si512((const void *)w);
+                const __m512i t = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(w + 64)));
+                const __m512i l = _mm512_or_si512(_mm512_and_si512(v, nibble), _mm512_and_si512(_mm512_sllv_epi16(t, up), top));
+                const __m512i h = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), nibble),
+                                                  _mm512_and_si512(_mm512_srlv_epi16(t, down), top));
+                for (int r = 0; r < R; r++) {
+                    DPBUSD_BCST(a[r], l, xs0 + r * k + 16 * j + 8 * b);
+                    DPBUSD_BCST(a[r], h, xs0 + r * k + 16 * j + 8 * b + 4);
+                }
+            }
+            const __m512i s32 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(scales + 16 * j)));
+            for (int r = 0; r < R; r++) i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(a[r], s32));
+        }
+        for (int j = 0; j < 16; j += 2) { /* minus 32 * sum_j sc_j * sum_j(xq) */
+            const __m128i a = _mm_loadu_si128((const __m128i *)(scales + 16 * j));
+            const __m128i b = _mm_loadu_si128((const __m128i *)(scales + 16 * j + 16));
+            const __m512i sp = _mm512_slli_epi16(zip16_wide(a, b, 1), 5);
+            for (int r = 0; r < R; r++)
+                i[r] = _mm512_sub_epi32(i[r], _mm512_madd_epi16(sp, _mm512_set1_epi32(*(const int32_t *)&sc[r * supers + s].sum16[j])));
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 3328)));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(sc[r * supers + s].scale)), _mm512_cvtepi32_ps(i[r]), acc[r]);
+    }
+}
+#endif
+
 /* Many rows (a prefill chunk, at least KQUANT_UNPACKED_ROWS): each tile is decoded once per call
  * into a per-thread buffer (`kquant_unpack`: the vectors q4k_rows / q6k_rows compute in every
  * pass, stored), and passes of KQUANT_PASS rows load them (`kquant_rows_unpacked`): the same
  * integer sums and fp32 operations, so the results are bitwise the register path's.
  * `kernel_ab.py` (docs/results/issue38) at avx2: 1.21x (Q4_K) and 1.38x (Q6_K) at 512 rows, Q4_K
  * about even at 16-64. (Sharing one source with the register path made its 1-3 row passes 5-20%
- * slower.) */
+ * slower.) At AVX-512 VNNI the 512-bit passes above run every row count instead: 1.4-1.7x this
+ * path at 8-512 rows, so nothing is decoded once there. */
 #define Q4K_UNPACKED 4992 /* 32 blocks x 4 x 32 B, sc pairs 8 x 64 B, min pairs 4 x 64 B, d, d1, dmin, dmin1 x 32 B */
 #define Q6K_UNPACKED 5696 /* 32 blocks x 4 x 32 B, sc pairs 16 x 64 B, offset pairs 8 x 64 B, d, d1 x 32 B */
 #define KQUANT_UNPACKED_MAX Q6K_UNPACKED

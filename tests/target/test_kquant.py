@@ -154,9 +154,9 @@ def test_a_model_wholly_in_k_quants_loads_without_a_cache_and_answers_as_a_cache
 
 def test_every_level_computes_kquant_tiles_bitwise_the_same(monkeypatch):
     """The GGUF tiles run one 256-bit source at every level (Q8_0: the int8 tiles' per-level
-    code; at AVX-512 VNNI vpdpbusd sums, 6-row Q6_K passes and 512-bit Q5_0 passes, packed or
-    decoded): the AVX-512 VNNI, AVX-VNNI and AVX2 builds agree bit for bit (1 to 13 rows, each
-    fusion). Compares the levels this machine runs."""
+    code; at AVX-512 VNNI 512-bit passes of up to 6 rows with vpdpbusd sums for every k-quant row
+    count, Q5_0 packed or decoded): the AVX-512 VNNI, AVX-VNNI and AVX2 builds agree bit for bit
+    (1 to 13 rows, each fusion). Compares the levels this machine runs."""
     from tests.conftest import MACHINE_LEVELS
 
     if len(MACHINE_LEVELS) < 2:
