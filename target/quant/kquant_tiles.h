@@ -51,29 +51,6 @@ struct super_consts {
                   "m"(*(const int32_t *)((a) + 4)), "x"(s0), "x"(s1));                                \
     } while (0)
 
-/* At AVX-512 VNNI (32 vector registers) a sub-block's products are summed by `vpdpbusd` in int32
- * and multiplied by its scale once (KQ_DOT), instead of pair sums times the scale per block
- * (KQ_ROW): the same exact integers, so the same results as the other levels. `kernel_ab.py` on a
- * Zen 4: 1.2-1.33x at 2-6 rows (Q4_K and Q6_K); a 6-row verify forward of the default target
- * 1.04-1.17x faster. (AVX-VNNI's 16 registers would spill the per-row sub-block sums.) */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define KQUANT_DPBUSD 1
-/* a0 += w0 . a[0..3] + w2 . a[4..7] per output 0-7, a1 the same with w1, w3 (outputs 8-15) */
-#define KQ_DOT(a0, a1, w0, w1, w2, w3, a)                                                         \
-    do {                                                                                           \
-        const __m256i x0_ = _mm256_set1_epi32(*(const int32_t *)(a));                              \
-        const __m256i x1_ = _mm256_set1_epi32(*(const int32_t *)((a) + 4));                        \
-        a0 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a0, w0, x0_), w2, x1_);                       \
-        a1 = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(a1, w1, x0_), w3, x1_);                       \
-    } while (0)
-/* Rows a Q6_K register pass takes: a verify window in one pass (kernel_ab.py: 1.18-1.30x at 4-6
- * rows). Q4_K keeps passes of KQUANT_PASS: 6 rows in one pass, or its halves in turn, spill (0.8-0.94x). */
-#define KQUANT_REG_PASS 6
-#else
-#define KQUANT_DPBUSD 0
-#define KQUANT_REG_PASS KQUANT_PASS
-#endif
-
 /* [v[0], v[0], v[1], v[1], ...] of 16 bytes, widened to int16: outputs 0-7 (lo) or 8-15 (hi) as
  * `vpmaddwd` pairs; `sign`: the bytes are int8, else uint8. */
 static inline __m256i pairs16_lo(__m128i v, int sign) {
@@ -118,7 +95,7 @@ static inline __attribute__((always_inline)) void q4k_scale_rows(__m256 d0, __m2
     }
 }
 
-/* R <= KQUANT_REG_PASS rows (xq `k` apart, consts `supers` apart) against a Q4_K tile: lo[r], hi[r]
+/* R <= KQUANT_PASS rows (xq `k` apart, consts `supers` apart) against a Q4_K tile: lo[r], hi[r]
  * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. */
 static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, int64_t ahead, int64_t supers,
                                                           const int8_t *xq, const struct super_consts *sc,
@@ -129,35 +106,20 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, 
         const uint8_t *p = tile + s * Q4K_SUPER_BYTES;
         __m128i scs[8], mins[8];
         for (int j = 0; j < 8; j++) q4k_scales(p + 2048, j, &scs[j], &mins[j]);
-        __m256i i0[KQUANT_REG_PASS], i1[KQUANT_REG_PASS], m0[KQUANT_REG_PASS], m1[KQUANT_REG_PASS];
+        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS], m0[KQUANT_PASS], m1[KQUANT_PASS];
         for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
                 _mm_prefetch((const char *)p + ahead + 288 * j + 64 * line, _MM_HINT_T0);
-#if KQUANT_DPBUSD
-            __m256i a0[KQUANT_REG_PASS], a1[KQUANT_REG_PASS];
-            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_si256();
-#else
             const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
-#endif
             for (int b = 0; b < 4; b++) {
                 const uint8_t *w = p + 64 * (4 * j + b);
                 const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
                 const __m256i l0 = _mm256_and_si256(v0, nibble), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
                 const __m256i l1 = _mm256_and_si256(v1, nibble), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
                 for (int r = 0; r < R; r++) /* int16 pair sums: at most 2 x 2 x 15 x 127 = 7620 */
-#if KQUANT_DPBUSD
-                    KQ_DOT(a0[r], a1[r], l0, l1, h0, h1, xq + r * k + s * SUPER + 32 * j + 8 * b);
-#else
                     KQ_ROW(i0[r], i1[r], l0, l1, h0, h1, sc0, sc1, xq + r * k + s * SUPER + 32 * j + 8 * b);
-#endif
             }
-#if KQUANT_DPBUSD /* the sub-block's sums (at most 32 x 15 x 128) times its scale, once */
-            const __m256i s0 = _mm256_cvtepu8_epi32(scs[j]), s1 = _mm256_cvtepu8_epi32(_mm_srli_si128(scs[j], 8));
-            for (int r = 0; r < R; r++)
-                i0[r] = _mm256_add_epi32(i0[r], _mm256_mullo_epi32(a0[r], s0)),
-                i1[r] = _mm256_add_epi32(i1[r], _mm256_mullo_epi32(a1[r], s1));
-#endif
         }
         for (int r = 0; r < R; r++) m0[r] = m1[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j += 2) { /* sum_j m_j * sum_j(xq), the mins of j and j + 1 as pairs */
@@ -195,34 +157,19 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *tile, 
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *p = tile + s * Q6K_SUPER_BYTES, *scales = p + 3072;
-        __m256i i0[KQUANT_REG_PASS], i1[KQUANT_REG_PASS];
+        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS];
         for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
         for (int j = 0; j < 16; j++) {
             for (int line = 0; line < 4; line++) /* 210 bytes a sub-block: the super-block's share */
                 _mm_prefetch((const char *)p + ahead + 210 * j + 64 * line, _MM_HINT_T0);
             const __m128i scj = _mm_loadu_si128((const __m128i *)(scales + 16 * j));
-#if KQUANT_DPBUSD
-            __m256i a0[KQUANT_REG_PASS], a1[KQUANT_REG_PASS];
-            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_si256();
-#else
             const __m256i sc0 = pairs16_lo(scj, 1), sc1 = pairs16_hi(scj, 1);
-#endif
             for (int b = 0; b < 2; b++) {
                 __m256i v[4];
                 q6k_block(p + 96 * (2 * j + b), v);
                 for (int r = 0; r < R; r++) /* int16 pair sums: at most 2 x 2 x 63 x 127 = 32004 */
-#if KQUANT_DPBUSD
-                    KQ_DOT(a0[r], a1[r], v[0], v[1], v[2], v[3], xq + r * k + s * SUPER + 16 * j + 8 * b);
-#else
                     KQ_ROW(i0[r], i1[r], v[0], v[1], v[2], v[3], sc0, sc1, xq + r * k + s * SUPER + 16 * j + 8 * b);
-#endif
             }
-#if KQUANT_DPBUSD /* the sub-block's sums (at most 16 x 63 x 128) times its scale, once */
-            const __m256i s0 = _mm256_cvtepi8_epi32(scj), s1 = _mm256_cvtepi8_epi32(_mm_srli_si128(scj, 8));
-            for (int r = 0; r < R; r++)
-                i0[r] = _mm256_add_epi32(i0[r], _mm256_mullo_epi32(a0[r], s0)),
-                i1[r] = _mm256_add_epi32(i1[r], _mm256_mullo_epi32(a1[r], s1));
-#endif
         }
         for (int j = 0; j < 16; j += 2) { /* minus 32 * sum_j sc_j * sum_j(xq) */
             const __m128i a = _mm_loadu_si128((const __m128i *)(scales + 16 * j));
@@ -245,7 +192,7 @@ static inline __attribute__((always_inline)) void q6k_rows(const uint8_t *tile, 
     }
 }
 
-#if KQUANT_DPBUSD && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
 /* AVX-512 VNNI, 512 bits: a k-quant tile's 16 outputs in one zmm (the 64-byte blocks' dword lanes
  * are the outputs), passes of up to MAX_ROWS rows. The same integer sums and, lane by lane, the
  * same fp32 operations as q4k_rows / q6k_rows, so the results are bitwise theirs; half the

@@ -171,16 +171,16 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
     } while (0)
 #endif
 
-/* R <= KQUANT_REG_PASS rows against a k-quant tile (kquant_tiles.h); UNPACKED: KQUANT_PASS rows
+/* R <= KQUANT_PASS rows against a k-quant tile (kquant_tiles.h); UNPACKED: KQUANT_PASS rows
  * against its decoding `ku` */
 #define KQUANT_ROWS(R, UNPACKED)                                                                         \
     do {                                                                                                 \
-        __m256 lo[KQUANT_REG_PASS], hi[KQUANT_REG_PASS];                                                 \
+        __m256 lo[KQUANT_PASS], hi[KQUANT_PASS];                                                 \
         const int64_t ahead = row == 0 ? PREFETCH_BYTES : next_ahead;                                    \
         if (UNPACKED) kquant_rows_unpacked(bits, ku, supers, xqs + row * k, sc + row * supers, k, lo, hi); \
         else if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else q6k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi);              \
-        vf acc[KQUANT_REG_PASS];                                                                         \
+        vf acc[KQUANT_PASS];                                                                         \
         for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
@@ -314,20 +314,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                 for (int64_t s = 0; ku && s < supers; s++)
                     kquant_unpack(bits, tile, s, kunpacked + s * KQUANT_UNPACKED_MAX);
                 for (; ku && row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 1);
-                if (bits == SPECDEC_TILE_Q6_K)
-                    for (; row + KQUANT_REG_PASS <= m; row += KQUANT_REG_PASS) KQUANT_ROWS(KQUANT_REG_PASS, 0);
-                else
-                    for (; row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 0);
-                switch (m - row) { /* the rest (3-5: Q6_K's), each count its own unrolled instance */
-#if KQUANT_REG_PASS > 3
-                    case 5: KQUANT_ROWS(5, 0); break;
-                    case 4: KQUANT_ROWS(4, 0); break;
-                    case 3: KQUANT_ROWS(3, 0); break;
-#endif
-                    case 2: KQUANT_ROWS(2, 0); break;
-                    case 1: KQUANT_ROWS(1, 0); break;
-                    default: break;
-                }
+                for (; row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 0);
+                if (m - row == 2) KQUANT_ROWS(2, 0);
+                else if (m - row == 1) KQUANT_ROWS(1, 0);
                 continue;
             }
             if (bits == SPECDEC_TILE_Q5_0) {
