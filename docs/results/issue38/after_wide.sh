@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# 0.20.5's 512-bit k-quant and Q5_0 passes at AVX-512 VNNI: the default pair on HumanEval and
+# 0.21.0's 512-bit k-quant and Q5_0 passes at AVX-512 VNNI: the default pair on HumanEval and
 # ShareGPT (target-only, speculative; the draft as re-quantized and read as stored) between two
 # llama.cpp tg128 runs, then ours and llama.cpp's 512-token prefill alternated, in one sitting.
 # Usage: LLAMA_BIN=<llama.cpp build/bin, AVX-512 build> bash after_wide.sh OUT_DIR. Nothing else may run.
