@@ -216,6 +216,7 @@ static inline __attribute__((always_inline)) void q4k_rows_wide(const uint8_t *t
         const uint8_t *p = tile + s * Q4K_SUPER_BYTES;
         const int8_t *xs0 = xq + s * SUPER;
         __m512i i[MAX_ROWS], m[MAX_ROWS];
+        __m128i mins[8];
         for (int r = 0; r < R; r++) i[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
             for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
@@ -230,16 +231,14 @@ static inline __attribute__((always_inline)) void q4k_rows_wide(const uint8_t *t
                     DPBUSD_BCST(a[r], h, xs0 + r * k + 32 * j + 8 * b + 4);
                 }
             }
-            __m128i scj, mj;
-            q4k_scales(p + 2048, j, &scj, &mj);
+            __m128i scj;
+            q4k_scales(p + 2048, j, &scj, &mins[j]);
             const __m512i s32 = _mm512_cvtepu8_epi32(scj); /* the sub-block's sums times its scale, once */
             for (int r = 0; r < R; r++) i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(a[r], s32));
         }
         for (int r = 0; r < R; r++) m[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j += 2) { /* sum_j m_j * sum_j(xq), the mins of j and j + 1 as pairs */
-            __m128i sc0, m0, sc1, m1;
-            q4k_scales(p + 2048, j, &sc0, &m0), q4k_scales(p + 2048, j + 1, &sc1, &m1);
-            const __m512i mp = zip16_wide(m0, m1, 0);
+            const __m512i mp = zip16_wide(mins[j], mins[j + 1], 0);
             for (int r = 0; r < R; r++)
                 m[r] = _mm512_add_epi32(m[r], _mm512_madd_epi16(mp, _mm512_set1_epi32(*(const int32_t *)&sc[r * supers + s].sum32[j])));
         }
