@@ -175,12 +175,12 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
  * against its decoding `ku` */
 #define KQUANT_ROWS(R, UNPACKED)                                                                         \
     do {                                                                                                 \
-        __m256 lo[KQUANT_PASS], hi[KQUANT_PASS];                                                 \
+        __m256 lo[KQUANT_PASS], hi[KQUANT_PASS];                                                         \
         const int64_t ahead = row == 0 ? PREFETCH_BYTES : next_ahead;                                    \
         if (UNPACKED) kquant_rows_unpacked(bits, ku, supers, xqs + row * k, sc + row * supers, k, lo, hi); \
         else if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else q6k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi);              \
-        vf acc[KQUANT_PASS];                                                                         \
+        vf acc[KQUANT_PASS];                                                                             \
         for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
