@@ -93,12 +93,13 @@ class PDReplicaEngine(ReplicaEngine):
         loop = asyncio.get_running_loop()
         for request in state.requests:
             ticket = state.tickets.get(request.request_id)
-            call = self._prefill.release.remote, request.request_id, ticket.lease_id if ticket else None, holder
             # Made from an empty context, the call belongs to no request: Ray Serve cancels the calls
             # a request makes when that request is cancelled, and the client leaving is exactly that
             # (made in the request's context, a release still being routed was cancelled with it and
             # the lease held its blocks until it expired). Awaited in the background, never dropped.
-            task = contextvars.Context().run(loop.create_task, _release_quietly(*call))
+            release = _release_quietly(self._prefill.release.remote, request.request_id,
+                                       ticket.lease_id if ticket else None, holder)
+            task = contextvars.Context().run(loop.create_task, release)
             self._releases.add(task)
             task.add_done_callback(self._releases.discard)
 

@@ -200,6 +200,23 @@ static inline int is_grouped(int bits) { /* activations per 32 inputs */
     return bits == 4 || bits == 8 || bits == SPECDEC_TILE_Q5_0 || bits == SPECDEC_TILE_Q8_0;
 }
 
+#if defined(KQUANT_WIDE) || defined(Q50_WIDE)
+/* The rows from `row` on against this tile: passes of MAX_ROWS (6 at AVX-512), then the rest, each
+ * count its own unrolled instance of ROWS(R) */
+#define WIDE_PASSES(ROWS)                                                                                \
+    do {                                                                                                 \
+        for (; row + MAX_ROWS <= m; row += MAX_ROWS) ROWS(MAX_ROWS);                                     \
+        switch (m - row) {                                                                               \
+            case 5: ROWS(5); break;                                                                      \
+            case 4: ROWS(4); break;                                                                      \
+            case 3: ROWS(3); break;                                                                      \
+            case 2: ROWS(2); break;                                                                      \
+            case 1: ROWS(1); break;                                                                      \
+            default: break;                                                                              \
+        }                                                                                                \
+    } while (0)
+#endif
+
 #ifdef Q50_WIDE /* R <= MAX_ROWS rows against a Q5_0 tile, packed or decoded into q50u (block32_tiles.h) */
 #define Q50_WIDE_ROWS(R)                                                                                 \
     do {                                                                                                 \
@@ -299,17 +316,8 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             int64_t row = 0;
             if (is_kquant(bits)) {
 #ifdef KQUANT_WIDE /* passes of up to MAX_ROWS rows in 512 bits (kquant_tiles.h) */
-                for (; row + MAX_ROWS <= m; row += MAX_ROWS) KQUANT_WIDE_ROWS(MAX_ROWS);
-                switch (m - row) { /* the rest, each count its own unrolled instance */
-                    case 5: KQUANT_WIDE_ROWS(5); break;
-                    case 4: KQUANT_WIDE_ROWS(4); break;
-                    case 3: KQUANT_WIDE_ROWS(3); break;
-                    case 2: KQUANT_WIDE_ROWS(2); break;
-                    case 1: KQUANT_WIDE_ROWS(1); break;
-                    default: break;
-                }
-                continue;
-#endif
+                WIDE_PASSES(KQUANT_WIDE_ROWS);
+#else
                 const uint8_t *ku = kunpacked; /* NULL (few rows, or no memory): decoded in every pass */
                 for (int64_t s = 0; ku && s < supers; s++)
                     kquant_unpack(bits, tile, s, kunpacked + s * KQUANT_UNPACKED_MAX);
@@ -317,22 +325,14 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                 for (; row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 0);
                 if (m - row == 2) KQUANT_ROWS(2, 0);
                 else if (m - row == 1) KQUANT_ROWS(1, 0);
+#endif
                 continue;
             }
             if (bits == SPECDEC_TILE_Q5_0) {
                 if (q50u) q50_unpack_tile(tile, groups, q50u); /* NULL (few rows, or no memory): decoded per pass */
 #ifdef Q50_WIDE
-                for (; row + MAX_ROWS <= m; row += MAX_ROWS) Q50_WIDE_ROWS(MAX_ROWS);
-                switch (m - row) { /* the rest, each count its own unrolled instance */
-                    case 5: Q50_WIDE_ROWS(5); break;
-                    case 4: Q50_WIDE_ROWS(4); break;
-                    case 3: Q50_WIDE_ROWS(3); break;
-                    case 2: Q50_WIDE_ROWS(2); break;
-                    case 1: Q50_WIDE_ROWS(1); break;
-                    default: break;
-                }
-                continue;
-#endif
+                WIDE_PASSES(Q50_WIDE_ROWS);
+#else
                 for (; q50u && row + Q50_UNPACKED_PASS <= m; row += Q50_UNPACKED_PASS) Q50_UNPACKED_ROWS_OF(Q50_UNPACKED_PASS);
                 if (q50u && m - row == 2) {
                     Q50_UNPACKED_ROWS_OF(2);
@@ -343,6 +343,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                 }
                 for (; row + Q50_PASS <= m; row += Q50_PASS) Q50_ROWS(Q50_PASS);
                 for (; row < m; row++) Q50_ROWS(1);
+#endif
                 continue;
             }
 #ifdef UNPACKED_GROUP
