@@ -13,9 +13,13 @@
  */
 
 #define Q50_GROUP_BYTES 352
-#define Q50_PASS 2 /* rows per pass: their int16 and int32 sums and both halves' weights fill the ymm registers */
+/* Rows per pass. 3 rows' int16 and int32 sums and both halves' weights are more than the 16 ymm
+ * registers, yet at AVX2 a pass of 3 beats 2 + 1 and the decoded-once path at 3-6 rows: the
+ * default draft's 3-row forward 12.7 ms against 17.9, 4 rows 19.3 against 22.3
+ * (docs/results/issue38/draft_forward_ab.sh). */
+#define Q50_PASS 3
 #define Q50_UNPACKED_GROUP 576 /* a decoded group: 4 blocks x 4 vectors x 32 B, d of both halves as fp32 */
-#define Q50_UNPACKED_ROWS 3
+#define Q50_UNPACKED_ROWS (2 * Q50_PASS + 1) /* decoded once when a call makes more than two passes */
 #define Q50_UNPACKED_PASS 3 /* rows per pass over a decoded tile (its vectors loaded, not kept) */
 
 /* bit s (0..7) of every byte of t moved to bit 4, the rest cleared */

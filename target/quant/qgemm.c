@@ -342,7 +342,8 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                     row += 1;
                 }
                 for (; row + Q50_PASS <= m; row += Q50_PASS) Q50_ROWS(Q50_PASS);
-                for (; row < m; row++) Q50_ROWS(1);
+                if (m - row == 2) Q50_ROWS(2);
+                else if (m - row == 1) Q50_ROWS(1);
 #endif
                 continue;
             }
