@@ -60,14 +60,14 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
 
 
 def draft_default(spec: str | None) -> str:
-    """The draft's quantization where the kernel runs: a GGUF draft's blocks as stored ("gguf") at
-    AVX-512 VNNI, whose 512-bit Q5_0 and k-quant passes make it as fast as its int4
-    re-quantization (HumanEval 0.95-1.01x, ShareGPT 0.99x, v0.21.0) with the file's exact weights
-    and nothing to re-quantize on a first load; elsewhere "w4a8" (at AVX2 the draft read as stored
-    decodes 0.87-0.89x as fast), as for any draft that is not a GGUF."""
-    level = native.simd_level()
+    """The draft's quantization where the kernel runs: a GGUF draft's blocks as stored ("gguf": the
+    embedded default or a .gguf file), at every level: the file's exact weights, nothing
+    re-quantized on a first load, and as fast as its int4 re-quantization (v0.21.0 at AVX-512
+    VNNI: HumanEval 0.95-1.01x, ShareGPT 0.99x; v0.21.1 at AVX2, with Q5_0's 3-row passes:
+    HumanEval 1.00 / 0.94x, ShareGPT 1.07 / 1.01x, `docs/results/issue38/draft_quant_ab.sh`);
+    "w4a8" for any draft that is not a GGUF."""
     gguf = spec == DEFAULT_DRAFT_SPEC or str(spec or "").lower().endswith(".gguf")
-    return "gguf" if gguf and level is not None and level.name == "avx512-vnni" else "w4a8"
+    return "gguf" if gguf else "w4a8"
 
 
 def load_engine_parts(config: EngineConfig, log=None) -> tuple[Any, Any, Any]:

@@ -209,24 +209,21 @@ def test_without_the_kernel_w4a8_says_why_and_defaults_fall_back(monkeypatch):
 
 
 def test_kernel_defaults_where_it_runs(monkeypatch):
-    """The target reads its GGUF as stored; the draft too at AVX-512 VNNI (a GGUF draft: the
-    embedded one or a .gguf file), re-quantized to int4 elsewhere."""
+    """The target reads its GGUF as stored, and so does a GGUF draft (the embedded one or a .gguf
+    file) at every level; a draft that is no GGUF is re-quantized to int4."""
     from tests.conftest import MACHINE_LEVELS
 
     monkeypatch.delenv("SPECDEC_NO_KERNELS", raising=False)
-    monkeypatch.setenv("SPECDEC_ISA", "avx2")
-    config = resolve_config(EngineConfig(dtype="bfloat16", device="cpu"))
-    assert (config.target_quant, config.draft_quant) == ("gguf", "w4a8")
-    assert resolve_config(EngineConfig(dtype="float32", device="cpu")).target_quant == "none"
-    # no draft model at all (a model-free proposer, or none): its quantization is the default's
-    config = resolve_config(EngineConfig(draft=None, proposer="ngram", dtype="bfloat16", device="cpu"))
-    assert (config.target_quant, config.draft_quant) == ("gguf", "w4a8")
-    if "avx512-vnni" not in MACHINE_LEVELS:
-        return
-    monkeypatch.setenv("SPECDEC_ISA", "avx512-vnni")
-    assert resolve_config(EngineConfig(dtype="bfloat16", device="cpu")).draft_quant == "gguf"
-    assert draft_default("/models/Qwen2.5-0.5B-Instruct-Q5_0.GGUF") == "gguf"
-    assert draft_default("/models/qwen2.5-0.5b-instruct") == "w4a8"  # safetensors: int4
+    for level in MACHINE_LEVELS:
+        monkeypatch.setenv("SPECDEC_ISA", level)
+        config = resolve_config(EngineConfig(dtype="bfloat16", device="cpu"))
+        assert (config.target_quant, config.draft_quant) == ("gguf", "gguf"), level
+        assert resolve_config(EngineConfig(dtype="float32", device="cpu")).target_quant == "none"
+        # no draft model at all (a model-free proposer, or none): its quantization is the default's
+        config = resolve_config(EngineConfig(draft=None, proposer="ngram", dtype="bfloat16", device="cpu"))
+        assert (config.target_quant, config.draft_quant) == ("gguf", "w4a8")
+        assert draft_default("/models/Qwen2.5-0.5B-Instruct-Q5_0.GGUF") == "gguf"
+        assert draft_default("/models/qwen2.5-0.5b-instruct") == "w4a8"  # safetensors: int4
 
 
 def _tiny_bf16_pair(tmp_path):
