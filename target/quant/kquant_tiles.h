@@ -51,6 +51,21 @@ struct super_consts {
                   "m"(*(const int32_t *)((a) + 4)), "x"(s0), "x"(s1));                                \
     } while (0)
 
+/* a0 += maddubs(w0, a) + maddubs(w2, a + 4) and a1 the same with w1, w3, in int16: one block's 8
+ * inputs of one row for Q4_K, whose sub-block of 4 blocks sums in int16 (at most 4 x 2 x 2 x 15 x
+ * 127 = 30480) before its scales multiply it once. Two temporaries. */
+#define KQ_ROW16(a0, a1, w0, w1, w2, w3, a)                                                         \
+    do {                                                                                           \
+        __m256i t_, p_;                                                                            \
+        __asm__("vpbroadcastd %8, %2\n\tvpmaddubsw %2, %4, %3\n\tvpaddw %3, %0, %0\n\t"           \
+                "vpmaddubsw %2, %5, %2\n\tvpaddw %2, %1, %1\n\t"                                    \
+                "vpbroadcastd %9, %2\n\tvpmaddubsw %2, %6, %3\n\tvpaddw %3, %0, %0\n\t"           \
+                "vpmaddubsw %2, %7, %2\n\tvpaddw %2, %1, %1"                                         \
+                : "+x"(a0), "+x"(a1), "=&x"(t_), "=&x"(p_)                                             \
+                : "x"(w0), "x"(w1), "x"(w2), "x"(w3), "m"(*(const int32_t *)(a)),                      \
+                  "m"(*(const int32_t *)((a) + 4)));                                                   \
+    } while (0)
+
 /* [v[0], v[0], v[1], v[1], ...] of 16 bytes, widened to int16: outputs 0-7 (lo) or 8-15 (hi) as
  * `vpmaddwd` pairs; `sign`: the bytes are int8, else uint8. */
 static inline __m256i pairs16_lo(__m128i v, int sign) {
@@ -111,14 +126,20 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, 
         for (int j = 0; j < 8; j++) {
             for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
                 _mm_prefetch((const char *)p + ahead + 288 * j + 64 * line, _MM_HINT_T0);
-            const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
+            __m256i a0[KQUANT_PASS], a1[KQUANT_PASS];
+            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_si256();
             for (int b = 0; b < 4; b++) {
                 const uint8_t *w = p + 64 * (4 * j + b);
                 const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
                 const __m256i l0 = _mm256_and_si256(v0, nibble), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
                 const __m256i l1 = _mm256_and_si256(v1, nibble), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
-                for (int r = 0; r < R; r++) /* int16 pair sums: at most 2 x 2 x 15 x 127 = 7620 */
-                    KQ_ROW(i0[r], i1[r], l0, l1, h0, h1, sc0, sc1, xq + r * k + s * SUPER + 32 * j + 8 * b);
+                for (int r = 0; r < R; r++)
+                    KQ_ROW16(a0[r], a1[r], l0, l1, h0, h1, xq + r * k + s * SUPER + 32 * j + 8 * b);
+            }
+            const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
+            for (int r = 0; r < R; r++) {
+                i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(a0[r], sc0));
+                i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(a1[r], sc1));
             }
         }
         for (int r = 0; r < R; r++) m0[r] = m1[r] = _mm256_setzero_si256();
@@ -375,6 +396,20 @@ static inline __attribute__((always_inline)) void kquant_rows_unpacked(int kind,
         for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
         for (int j = 0; j < 32 / per; j++) {
             const __m256i sc0 = load256(q + 4096 + 64 * j), sc1 = load256(q + 4096 + 64 * j + 32);
+            if (q4) { /* the sub-block's products in int16, then times its scales once (as q4k_rows) */
+                __m256i a0[KQUANT_PASS], a1[KQUANT_PASS];
+                for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_si256();
+                for (int b = per * j; b < per * j + per; b++) {
+                    const uint8_t *w = q + 128 * b;
+                    const __m256i v0 = load256(w), v1 = load256(w + 32), v2 = load256(w + 64), v3 = load256(w + 96);
+                    for (int r = 0; r < R; r++) KQ_ROW16(a0[r], a1[r], v0, v1, v2, v3, xq + r * k + s * SUPER + 8 * b);
+                }
+                for (int r = 0; r < R; r++) {
+                    i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(a0[r], sc0));
+                    i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(a1[r], sc1));
+                }
+                continue;
+            }
             for (int b = per * j; b < per * j + per; b++) {
                 const uint8_t *w = q + 128 * b;
                 const __m256i v0 = load256(w), v1 = load256(w + 32), v2 = load256(w + 64), v3 = load256(w + 96);
