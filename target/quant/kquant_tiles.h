@@ -26,7 +26,11 @@
 #define SUPER 256
 #define Q4K_SUPER_BYTES 2304
 #define Q6K_SUPER_BYTES 3360
-#define KQUANT_PASS 3 /* rows per pass over a tile: their int32 sums and the weights fill the ymm registers */
+/* Rows per register pass over a tile: their sums and the weights about fill the ymm registers. 4:
+ * a 4-row verify window in one pass, not 3 + 1 (`kernel_ab.py` at avx2: Q4_K 1.14x, Q6_K 1.19x at
+ * 4 rows; 1-3 and 5-6 rows even); passes over a decoded tile keep 3 (KQUANT_UNPACKED_PASS: 4 there
+ * made 8-64 rows 0.84-0.94x). */
+#define KQUANT_PASS 4
 
 /* One row's activations over one super-block. */
 struct super_consts {
@@ -323,7 +327,7 @@ static inline __attribute__((always_inline)) void q6k_rows_wide(const uint8_t *t
 
 /* Many rows (a prefill chunk, at least KQUANT_UNPACKED_ROWS): each tile is decoded once per call
  * into a per-thread buffer (`kquant_unpack`: the vectors q4k_rows / q6k_rows compute in every
- * pass, stored), and passes of KQUANT_PASS rows load them (`kquant_rows_unpacked`): the same
+ * pass, stored), and passes of KQUANT_UNPACKED_PASS rows load them (`kquant_rows_unpacked`): the same
  * integer sums and fp32 operations, so the results are bitwise the register path's.
  * `kernel_ab.py` (docs/results/issue38) at avx2: 1.21x (Q4_K) and 1.38x (Q6_K) at 512 rows, Q4_K
  * about even at 16-64. (Sharing one source with the register path made its 1-3 row passes 5-20%
@@ -333,6 +337,7 @@ static inline __attribute__((always_inline)) void q6k_rows_wide(const uint8_t *t
 #define Q6K_UNPACKED 5696 /* 32 blocks x 4 x 32 B, sc pairs 16 x 64 B, offset pairs 8 x 64 B, d, d1 x 32 B */
 #define KQUANT_UNPACKED_MAX Q6K_UNPACKED
 #define KQUANT_UNPACKED_ROWS 8
+#define KQUANT_UNPACKED_PASS 3
 
 static inline void store256(uint8_t *q, __m256i v) { _mm256_store_si256((__m256i *)q, v); }
 static inline __m256i load256(const uint8_t *q) { return _mm256_load_si256((const __m256i *)q); }
@@ -382,13 +387,13 @@ static void kquant_unpack(int kind, const uint8_t *tile, int64_t s, uint8_t *q) 
     for (int i = 0; i < 2; i++) _mm256_store_ps((float *)(q + 5632 + 32 * i), f16x8(p + 3328 + 16 * i));
 }
 
-/* KQUANT_PASS rows against a tile decoded into u (`kquant_unpack` of each super-block,
+/* KQUANT_UNPACKED_PASS rows against a tile decoded into u (`kquant_unpack` of each super-block,
  * KQUANT_UNPACKED_MAX bytes apart): lo[r], hi[r] receive outputs 0-7 and 8-15, as q4k_rows and
  * q6k_rows compute them. */
 static inline __attribute__((always_inline)) void kquant_rows_unpacked(int kind, const uint8_t *u, int64_t supers,
                                                                       const int8_t *xq, const struct super_consts *sc,
                                                                       int64_t k, __m256 *lo, __m256 *hi) {
-    const int R = KQUANT_PASS, q4 = kind == SPECDEC_TILE_Q4_K, per = q4 ? 4 : 2; /* blocks per sub-block */
+    const int R = KQUANT_UNPACKED_PASS, q4 = kind == SPECDEC_TILE_Q4_K, per = q4 ? 4 : 2; /* blocks per sub-block */
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *q = u + s * KQUANT_UNPACKED_MAX;

@@ -171,7 +171,7 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
     } while (0)
 #endif
 
-/* R <= KQUANT_PASS rows against a k-quant tile (kquant_tiles.h); UNPACKED: KQUANT_PASS rows
+/* R <= KQUANT_PASS rows against a k-quant tile (kquant_tiles.h); UNPACKED: KQUANT_UNPACKED_PASS rows
  * against its decoding `ku` */
 #define KQUANT_ROWS(R, UNPACKED)                                                                         \
     do {                                                                                                 \
@@ -321,10 +321,19 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                 const uint8_t *ku = kunpacked; /* NULL (few rows, or no memory): decoded in every pass */
                 for (int64_t s = 0; ku && s < supers; s++)
                     kquant_unpack(bits, tile, s, kunpacked + s * KQUANT_UNPACKED_MAX);
-                for (; ku && row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 1);
-                for (; row + KQUANT_PASS <= m; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 0);
-                if (m - row == 2) KQUANT_ROWS(2, 0);
-                else if (m - row == 1) KQUANT_ROWS(1, 0);
+                for (; ku && row + KQUANT_UNPACKED_PASS <= m; row += KQUANT_UNPACKED_PASS) KQUANT_ROWS(KQUANT_UNPACKED_PASS, 1);
+                /* passes of 4, but 5 and 6 rows as 3 + 2 and 3 + 3 (4 + 1 and 4 + 2: 0.95-0.99x) */
+                for (; row + KQUANT_PASS <= m && m - row != 5 && m - row != 6; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 0);
+                if (m - row >= 5) {
+                    KQUANT_ROWS(3, 0);
+                    row += 3;
+                }
+                switch (m - row) { /* the rest, each count its own unrolled instance */
+                    case 3: KQUANT_ROWS(3, 0); break;
+                    case 2: KQUANT_ROWS(2, 0); break;
+                    case 1: KQUANT_ROWS(1, 0); break;
+                    default: break;
+                }
 #endif
                 continue;
             }
