@@ -81,9 +81,9 @@ class EngineConfig:
     # (`target.quant.qgemm`: AVX-512 VNNI, AVX-VNNI or AVX2, bitwise the same), the target takes "gguf"
     # (a GGUF's Q4_K / Q6_K / Q5_0 / Q8_0 tensors read as stored, the file's bytes and values,
     # activations int8 per 256 inputs for the k-quants, per 32 for the others; anything else as "w4a8-auto": int4 where on the 4-bit grid, else int8,
-    # activations int8 per group of 32) and the draft "w4a8"
-    # (int4 everywhere; a draft only proposes, so its rounding cannot change the output
-    # distribution). Without the kernel: target "w8a8" (fbgemm int8 after SmoothQuant), draft
+    # activations int8 per group of 32), and so does a GGUF draft (`engine_parts.draft_default`);
+    # a draft that is no GGUF takes "w4a8" (int4 everywhere; a draft only proposes, so its rounding
+    # cannot change the output distribution). Without the kernel: target "w8a8" (fbgemm int8 after SmoothQuant), draft
     # "int4+w8a8" (torch's int4 kernel plus an int8 copy for windows of 5+ rows). Elsewhere "none".
     target_quant: str | None = None
     draft_quant: str | None = None

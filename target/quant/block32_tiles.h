@@ -15,7 +15,7 @@
 #define Q50_GROUP_BYTES 352
 /* Rows per pass. 3 rows' int16 and int32 sums and both halves' weights are more than the 16 ymm
  * registers, yet at AVX2 a pass of 3 beats 2 + 1 and the decoded-once path at 3-6 rows: the
- * default draft's 3-row forward 12.7 ms against 17.9, 4 rows 19.3 against 22.3
+ * default draft's 3-row forward 12.8-14.9 ms against 17.8-18.2, 4 rows 18.8-19.6 against 22.5-24.6
  * (docs/results/issue38/draft_forward_ab.sh). */
 #define Q50_PASS 3
 #define Q50_UNPACKED_GROUP 576 /* a decoded group: 4 blocks x 4 vectors x 32 B, d of both halves as fp32 */

@@ -27,9 +27,9 @@
 #define Q4K_SUPER_BYTES 2304
 #define Q6K_SUPER_BYTES 3360
 /* Rows per register pass over a tile: their sums and the weights about fill the ymm registers. 4:
- * a 4-row verify window in one pass, not 3 + 1 (`kernel_ab.py` at avx2: Q4_K 1.14x, Q6_K 1.19x at
- * 4 rows; 1-3 and 5-6 rows even); passes over a decoded tile keep 3 (KQUANT_UNPACKED_PASS: 4 there
- * made 8-64 rows 0.84-0.94x). */
+ * a 4-row verify window in one pass, not 3 + 1 (`kernel_ab.py` at avx2: Q4_K 1.13-1.16x, Q6_K
+ * 1.20-1.22x at 4 rows, 1.09-1.12x at 7); qgemm.c still runs 5 and 6 rows as 3 + 2 and 3 + 3, and
+ * passes over a decoded tile keep 3 (KQUANT_UNPACKED_PASS: 4 there made 8-64 rows 0.84-0.94x). */
 #define KQUANT_PASS 4
 
 /* One row's activations over one super-block. */
