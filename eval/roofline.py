@@ -16,6 +16,13 @@ bandwidth. The workloads' figures (prompt tokens, acceptance) are arguments, mea
 the defaults are `docs/results/acceptance.md` (p/token of the i.i.d. fit, k = 4) and the mean
 prompt of `specdec bench latency --limit 10` on each dataset.
 
+A ceiling that needs no acceptance model (`--oracle DATASET[:N]`): the target's greedy answers to
+the dataset's first N prompts, the draft (as the engine loads it) teacher-forced over them, and an
+oracle that drafts exactly the run of tokens the draft guesses right from each position and nothing
+where it guesses the first one wrong, every forward at the floors above. No chain proposer of this
+draft emits more per step, however it picks its lengths (a drafter that stops on its own confidence
+beats the one-rate model; prompt lookup, which proposes what the draft cannot, is left out).
+
 Run it with nothing else running (`uptime` first): both measurements fall with a busy core.
 """
 
@@ -110,6 +117,68 @@ def best_speculative(target: ModelCost, draft: ModelCost, machine: Machine, leve
     times = {k: request_s(target, draft, machine, level, workload, max_tokens, k) for k in range(1, max_k + 1)}
     k = min(times, key=times.get)
     return k, max_tokens / times[k]
+
+
+def oracle_request_s(target: ModelCost, draft: ModelCost, machine: Machine, level: str, prompt_tokens: int,
+                     agrees: list[bool], cap: int) -> float:
+    """The floor of one request under the oracle drafter: both prompts, then from each position the
+    run of tokens the draft guesses right (`agrees[i]`: its guess of answer token i + 1, after the
+    target's tokens before it, is the target's), at most `cap`, drafted one row each and verified
+    with the target's own next token in one forward of run + 1 rows; no draft where the run is 0.
+    The answer is `len(agrees) + 1` tokens, the first from the prompt's forward."""
+    seconds = target.forward_s(machine, level, prompt_tokens, 1) + draft.forward_s(machine, level, prompt_tokens, 1)
+    i = 0
+    while i < len(agrees):
+        run = 0
+        while i + run < len(agrees) and agrees[i + run] and run < cap:
+            run += 1
+        seconds += run * draft.forward_s(machine, level, 1) + target.forward_s(machine, level, run + 1)
+        i += run + 1
+    return seconds
+
+
+def draft_agreement(engine, prompts: list[list[int]], max_tokens: int) -> list[tuple[int, list[bool]]]:
+    """Per prompt: its length and, for each answer token after the first, whether the draft's greedy
+    guess after the target's tokens before it is the target's. The target's greedy answer
+    (`engine.generate`), then the draft as the engine loaded it (its quantization and cut head)
+    over prompt + answer in one forward."""
+    from specdec.sampling_params import SamplingParams
+    from specdec.target.runner import Window
+
+    draft = engine.proposer.runner
+    head_ids = getattr(draft.model, "head_ids", None)
+    runs = []
+    for prompt in prompts:
+        answer = engine.generate([list(prompt)], SamplingParams(temperature=0, max_tokens=max_tokens))[0].token_ids
+        ids = list(prompt) + list(answer)
+        table = draft.new_table()
+        try:
+            table.ensure_slots(len(ids))
+            guess = draft.forward([Window(table, ids, len(ids))]).argmax(-1)  # guess[j]: of ids[j + 1]
+        finally:
+            table.free()
+        guess = (head_ids.to(guess.device)[guess] if head_ids is not None else guess).tolist()
+        runs.append((len(prompt), [guess[len(prompt) + i - 1] == answer[i] for i in range(1, len(answer))]))
+    return runs
+
+
+def oracle_report(machine: Machine, target: ModelCost, draft: ModelCost, runs: dict[str, list[tuple[int, list[bool]]]],
+                  cap: int, llama_tg: float | None) -> str:
+    """The oracle's ceilings as markdown, per level and dataset, beside target-only's."""
+    head = ("| level | dataset | prompts | the draft's guess is the target's | target-only tok/s "
+            "| oracle speculative tok/s | oracle / target-only |")
+    lines = [f"Oracle ceilings (the draft's own guesses, runs of at most {cap}; the prompt counted):", "",
+             head, "|" + "---|" * (head.count("|") - 1)]
+    for level in machine.int8_macs_per_s:
+        for name, per_prompt in runs.items():
+            tokens = sum(len(agrees) + 1 for _, agrees in per_prompt)
+            plain = sum(request_s(target, None, machine, level, Workload(name, n, 0.0), len(agrees) + 1, 0)
+                        for n, agrees in per_prompt)
+            oracle = sum(oracle_request_s(target, draft, machine, level, n, agrees, cap) for n, agrees in per_prompt)
+            guessed = sum(sum(agrees) for _, agrees in per_prompt) / max(1, sum(len(a) for _, a in per_prompt))
+            lines.append(f"| {level} | {name} | {len(per_prompt)} | {guessed:.3f} | {_vs(tokens / plain, llama_tg)} "
+                         f"| {_vs(tokens / oracle, llama_tg)} | {plain / oracle:.2f}x |")
+    return "\n".join(lines)
 
 
 def model_cost(model: torch.nn.Module, name: str) -> ModelCost:
@@ -251,9 +320,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-k", type=int, default=8)
     parser.add_argument("--target-quant", choices=QUANT_MODES, default=None, help="default: the engine's")
     parser.add_argument("--draft-quant", choices=QUANT_MODES, default=None, help="default: the engine's")
+    parser.add_argument("--oracle", action="append", default=[], metavar="DATASET[:N]",
+                        help="also the oracle drafter's ceiling on the first N (default 10) prompts of a dataset "
+                             "(runs the pair: the target's greedy answers, the draft's guesses), repeatable")
     args = parser.parse_args(argv)
     if args.threads < 1 or args.max_tokens < 1 or args.max_k < 1:
         parser.error("--threads, --max-tokens and --max-k must be at least 1")
+    oracle = []
+    for text in args.oracle:
+        name, _, count = text.partition(":")
+        if not name or (count and (not count.isdigit() or int(count) < 1)):
+            parser.error(f"--oracle {text!r}: expected DATASET or DATASET:N with N >= 1")
+        oracle.append((name, int(count) if count else 10))
+    if oracle and args.draft == "none":
+        parser.error("--oracle needs a draft")
     workloads = args.workloads or [Workload.parse(w) for w in DEFAULT_WORKLOADS]
     levels = [level.name for level in native.machine_levels()]
     if not levels:
@@ -270,13 +350,29 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     config = EngineConfig(target=args.target, draft=draft_spec, proposer="draft" if draft_spec else "none",
                           target_quant=args.target_quant, draft_quant=args.draft_quant)
-    target_model, draft_model, _ = load_engine_parts(config)
+    engine = None
+    if oracle:  # the engine's own models: its answers and guesses are what is priced
+        from specdec.engine import Engine
+        engine = Engine(config)
+        target_model, draft_model = engine.target.model, engine.proposer.runner.model
+    else:
+        target_model, draft_model, _ = load_engine_parts(config)
     target = model_cost(target_model, f"target ({args.target})")
     draft = model_cost(draft_model, f"draft ({draft_spec})") if draft_model is not None else None
     paths = gguf_paths(resolve_model(args.target))
     draft_paths = gguf_paths(resolve_model(draft_spec)) if draft_spec else []
-    print(report(machine, target, draft, gguf_bytes_per_token(paths) if paths else None, workloads,
-                 args.max_tokens, args.max_k, gguf_bytes_per_token(draft_paths) if draft_paths else None))
+    gguf_target = gguf_bytes_per_token(paths) if paths else None
+    print(report(machine, target, draft, gguf_target, workloads, args.max_tokens, args.max_k,
+                 gguf_bytes_per_token(draft_paths) if draft_paths else None), flush=True)
+    if engine is not None:
+        from specdec.eval.runner import encode_prompts
+
+        runs = {}
+        for name, count in oracle:
+            prompts = [p.token_ids for p in encode_prompts(engine, name, count, 0, 1024, args.max_tokens)]
+            runs[name] = draft_agreement(engine, prompts, args.max_tokens)
+        llama_tg = machine.read_bytes_per_s / gguf_target if gguf_target else None
+        print("\n" + oracle_report(machine, target, draft, runs, args.max_k, llama_tg))
 
 
 if __name__ == "__main__":

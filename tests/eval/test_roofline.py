@@ -60,6 +60,35 @@ def test_best_speculative_k_grows_with_acceptance():
         assert 128 / roofline.request_s(TARGET, DRAFT, MACHINE, "avx2", high, 128, k) <= rate_high + 1e-9
 
 
+def test_the_oracle_drafts_each_right_run_up_to_the_cap_and_nothing_before_a_wrong_guess():
+    prefills = 80.2 / 400 + (100 * 0.1 + 0.1) / 400  # target, then draft, as in the i.i.d. model
+    # 10 answer tokens, every guess right, runs of at most 4: two steps of 4 drafts and a 5-row verify
+    right = roofline.oracle_request_s(TARGET, DRAFT, MACHINE, "avx2", 100, [True] * 9, cap=4)
+    assert right == pytest.approx(prefills + 2 * (4 * 0.005 + 0.025))
+    # every guess wrong: no draft forward at all, 9 one-row steps
+    wrong = roofline.oracle_request_s(TARGET, DRAFT, MACHINE, "avx2", 100, [False] * 9, cap=4)
+    assert wrong == pytest.approx(prefills + 9 * 0.025)
+    # right, wrong, right right: a 1-draft step emits tokens 1-2, a plain step token 3, a 2-draft step 4-5
+    mixed = roofline.oracle_request_s(TARGET, DRAFT, MACHINE, "avx2", 100, [True, False, False, True, True], cap=4)
+    assert mixed == pytest.approx(prefills + (0.005 + 0.025) + 0.025 + (2 * 0.005 + 0.025))
+
+
+def test_a_draft_that_is_the_target_guesses_every_token(tiny_dirs, prompts_file):
+    """Teacher-forced over the target's own greedy answers, the same model guesses each next token:
+    an off-by-one between guesses and answer tokens would not."""
+    from specdec import Engine, EngineConfig
+    from specdec.eval.runner import encode_prompts
+
+    target, _ = tiny_dirs
+    engine = Engine(EngineConfig(target=str(target), draft=str(target), proposer="draft", dtype="float32",
+                                 target_quant="none", draft_quant="none", kv_cache_memory_gib=0.05))
+    prompts = [p.token_ids for p in encode_prompts(engine, str(prompts_file), 3, 0, 64, 12)]
+    runs = roofline.draft_agreement(engine, prompts, 12)
+    assert [n for n, _ in runs] == [len(p) for p in prompts]
+    assert all(len(agrees) >= 1 and all(agrees) for _, agrees in runs)
+    assert engine.proposer.pool.num_used == 0  # the teacher-forcing table freed
+
+
 @pytest.mark.parametrize("text", ["humaneval", "x:0:0.5", "x:10:1.0", "x:ten:0.5", "x:10:-0.1"])
 def test_workload_refuses_malformed_text(text):
     with pytest.raises(argparse.ArgumentTypeError):
@@ -139,6 +168,23 @@ def test_command_on_the_tiny_pair(tiny_dirs, monkeypatch, capsys):
     roofline.main(["--target", str(target), "--draft", "none", "--threads", "1", "--workload", "t:16:0.8"])
     out = capsys.readouterr().out
     assert "t target-only tok/s" in out and "speculative" not in out and "| draft (" not in out
+    with pytest.raises(SystemExit):
+        roofline.main(["--target", str(target), "--draft", "none", "--oracle", "humaneval"])
+    with pytest.raises(SystemExit):
+        roofline.main(["--target", str(target), "--draft", str(draft), "--oracle", "humaneval:0"])
+
+
+def test_oracle_command_on_the_tiny_pair(tiny_dirs, prompts_file, monkeypatch, capsys):
+    monkeypatch.setattr(roofline, "BANDWIDTH_BYTES", 16 << 20)
+    monkeypatch.setattr(roofline, "PEAK_ROUNDS", 10_000)
+    monkeypatch.setattr(roofline, "TRIES", 1)
+    target, draft = tiny_dirs
+    roofline.main(["--target", str(target), "--draft", str(draft), "--threads", "1", "--workload", "t:16:0.8",
+                   "--max-tokens", "8", "--oracle", f"{prompts_file}:2"])
+    out = capsys.readouterr().out
+    assert "Oracle ceilings" in out
+    for level in native.machine_levels():
+        assert f"| {level.name} | {prompts_file} | 2 |" in out
 
 
 def test_an_moe_counts_the_experts_a_token_reads(tmp_path):

@@ -9,52 +9,30 @@ forwards plus a target forward of m + 1 rows, and emits m + 1 tokens; both model
 first token as in the roofline. No chain proposer of this draft, however it picks its lengths,
 emits more per step; prompt lookup is left out (it proposes what the draft cannot). Prints, per
 level, target-only and oracle tok/s and their ratio, and the oracle against llama.cpp's tg128
-ceiling. Usage: python oracle_ceiling.py humaneval|sharegpt [N] [cap]"""
+ceiling. `python -m specdec.eval.roofline --oracle DATASET --max-k CAP` now prices the same (its
+functions, used here). Usage: python oracle_ceiling.py humaneval|sharegpt [N] [cap]"""
 import sys, torch
 torch.set_num_threads(2)
-from specdec import Engine, EngineConfig, SamplingParams, native
+from specdec import Engine, EngineConfig, native
 from specdec.eval import roofline
 from specdec.eval.runner import encode_prompts
-from specdec.target.runner import Window
 
 ds = sys.argv[1]; n = int(sys.argv[2]) if len(sys.argv) > 2 else 10; cap = int(sys.argv[3]) if len(sys.argv) > 3 else 16
 levels = [lv.name for lv in native.machine_levels()]
 machine = roofline.measure_machine(2, levels)
 eng = Engine(EngineConfig())
 prompts = [p.token_ids for p in encode_prompts(eng, ds, n, 0, 1024, 128)]
-answers = [eng.generate([p], SamplingParams(temperature=0, max_tokens=128))[0].token_ids for p in prompts]
-draft = eng.proposer.model.runner
-head_ids = getattr(draft.model, "head_ids", None)
-runs = []  # per prompt: (prompt length, agreement flags of answer tokens 1..)
-for p, a in zip(prompts, answers):
-    ids = list(p) + list(a)
-    t = draft.new_table(); t.ensure_slots(len(ids))
-    logits = draft.forward([Window(t, ids, len(ids))])  # [len(ids), N]
-    t.free()
-    guess = logits.argmax(-1)
-    guess = head_ids[guess] if head_ids is not None else guess
-    # guess[j] predicts ids[j + 1]; answer token i sits at len(p) + i
-    runs.append((len(p), [int(guess[len(p) + i - 1]) == a[i] for i in range(1, len(a))], len(a)))
+runs = roofline.draft_agreement(eng, prompts, 128)  # per prompt: (prompt length, the guesses' flags)
 target_cost = roofline.model_cost(eng.target.model, "target")
-draft_cost = roofline.model_cost(draft.model, "draft")
-agree = sum(sum(f) for _, f, _ in runs) / sum(len(f) for _, f, _ in runs)
-print(f"{ds}: {n} prompts, {sum(x for _, _, x in runs)} answer tokens; the draft's greedy guess agrees on {agree:.3f} "
+draft_cost = roofline.model_cost(eng.proposer.runner.model, "draft")
+agree = sum(sum(f) for _, f in runs) / sum(len(f) for _, f in runs)
+print(f"{ds}: {n} prompts, {sum(len(f) + 1 for _, f in runs)} answer tokens; the draft's greedy guess agrees on {agree:.3f} "
       f"of them; read bandwidth {machine.read_bytes_per_s / 1e9:.1f} GB/s")
 print("| level | target-only tok/s | oracle speculative tok/s | oracle / target-only | oracle / llama.cpp tg128 ceiling |\n|---|---|---|---|---|")
 for level in levels:
-    plain = spec = 0.0; tokens = 0
-    for plen, flags, total in runs:
-        pre = target_cost.forward_s(machine, level, plen, 1)
-        plain += pre + (total - 1) * target_cost.forward_s(machine, level, 1)
-        s = pre + draft_cost.forward_s(machine, level, plen, 1)
-        i = 0
-        while i < len(flags):
-            m = 0
-            while i + m < len(flags) and flags[i + m] and m < cap:
-                m += 1
-            m = min(m, len(flags) - i)
-            s += m * draft_cost.forward_s(machine, level, 1) + target_cost.forward_s(machine, level, m + 1)
-            i += m + 1
-        spec += s; tokens += total
+    tokens = sum(len(f) + 1 for _, f in runs)
+    plain = sum(target_cost.forward_s(machine, level, plen, 1) + len(f) * target_cost.forward_s(machine, level, 1)
+                for plen, f in runs)
+    spec = sum(roofline.oracle_request_s(target_cost, draft_cost, machine, level, plen, f, cap) for plen, f in runs)
     llama = 1 / (target_cost.bytes_per_token / machine.read_bytes_per_s)
     print(f"| {level} | {tokens / plain:.1f} | {tokens / spec:.1f} | {plain / spec:.2f}x | {tokens / spec / llama:.2f}x |")
