@@ -365,11 +365,15 @@ def main(argv: list[str] | None = None) -> None:
     print(report(machine, target, draft, gguf_target, workloads, args.max_tokens, args.max_k,
                  gguf_bytes_per_token(draft_paths) if draft_paths else None), flush=True)
     if engine is not None:
+        from specdec.eval.datasets import DatasetNotInstalledError
         from specdec.eval.runner import encode_prompts
 
         runs = {}
         for name, count in oracle:
-            prompts = [p.token_ids for p in encode_prompts(engine, name, count, 0, 1024, args.max_tokens)]
+            try:
+                prompts = [p.token_ids for p in encode_prompts(engine, name, count, 0, 1024, args.max_tokens)]
+            except (ValueError, DatasetNotInstalledError) as error:  # an unknown name, a missing package
+                raise SystemExit(f"specdec: --oracle {name}: {error}") from None
             runs[name] = draft_agreement(engine, prompts, args.max_tokens)
         llama_tg = machine.read_bytes_per_s / gguf_target if gguf_target else None
         print("\n" + oracle_report(machine, target, draft, runs, args.max_k, llama_tg))

@@ -185,6 +185,8 @@ def test_oracle_command_on_the_tiny_pair(tiny_dirs, prompts_file, monkeypatch, c
     assert "Oracle ceilings" in out
     for level in native.machine_levels():
         assert f"| {level.name} | {prompts_file} | 2 |" in out
+    with pytest.raises(SystemExit, match="unknown dataset"):
+        roofline.main(["--target", str(target), "--draft", str(draft), "--threads", "1", "--oracle", "nosuch"])
 
 
 def test_an_moe_counts_the_experts_a_token_reads(tmp_path):
