@@ -31,7 +31,7 @@ print(f"{ds}: {n} prompts, {sum(len(f) + 1 for _, f in runs)} answer tokens; the
 print("| level | target-only tok/s | oracle speculative tok/s | oracle / target-only | oracle / llama.cpp tg128 ceiling |\n|---|---|---|---|---|")
 for level in levels:
     tokens = sum(len(f) + 1 for _, f in runs)
-    plain = sum(target_cost.forward_s(machine, level, plen, 1) + len(f) * target_cost.forward_s(machine, level, 1)
+    plain = sum(roofline.request_s(target_cost, None, machine, level, roofline.Workload(ds, plen, 0.0), len(f) + 1, 0)
                 for plen, f in runs)
     spec = sum(roofline.oracle_request_s(target_cost, draft_cost, machine, level, plen, f, cap) for plen, f in runs)
     llama = 1 / (target_cost.bytes_per_token / machine.read_bytes_per_s)
