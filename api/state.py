@@ -15,6 +15,7 @@ from specdec.api.logprobs import TokenTexts
 from specdec.api.metrics import ServerMetrics
 from specdec.api.tools import ToolUse, template_supports_tools, tool_tags_are_tokens
 from specdec.sampling_params import StructuredSpec
+from specdec.target.tokenizer import encode_prompt
 
 
 @dataclass
@@ -113,10 +114,11 @@ class ServerState:
                            "(Hermes / Qwen2.5)", "tools", "invalid_value")
         return tool_use.structured(tool_tags_are_tokens(tokenizer))
 
-    def completion_prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+    def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A completion's prompt as ids: token ids as sent, text led by the model's BOS where its
+        tokenizer adds one (`encode_prompt`)."""
         if isinstance(prompt, str):
-            prompt = self.require_tokenizer("send the prompt as token ids", "prompt").encode(
-                prompt, add_special_tokens=add_special_tokens)
+            prompt = encode_prompt(self.require_tokenizer("send the prompt as token ids", "prompt"), prompt)
         return self._checked(list(prompt), "prompt")
 
     def prompt_text(self, prompt: str | list[int], prompt_ids: list[int]) -> str:

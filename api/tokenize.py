@@ -5,9 +5,10 @@ like vLLM's, since they run no model):
                      {"messages": [...], "add_generation_prompt": true}    "tokens": [...], "token_strs": null}
     POST /detokenize {"tokens": [755, 282, 4555]}                    -> {"prompt": "def f():"}
 
-`add_special_tokens` defaults to false for a prompt, which is how /v1/completions tokenizes one,
-so `count` is what a completion request's `usage.prompt_tokens` will say; messages go through the
-chat template exactly as /v1/chat/completions sends them. `return_token_strs` adds the tokenizer's
+A prompt is tokenized as /v1/completions tokenizes one (led by the model's BOS where its
+tokenizer adds one: Gemma, Llama; `add_special_tokens` true / false: the tokenizer's own
+specials / none), so `count` is what a completion request's `usage.prompt_tokens` will say;
+messages go through the chat template exactly as /v1/chat/completions sends them. `return_token_strs` adds the tokenizer's
 own token strings. `model` is optional; when given it must be the served model.
 """
 
@@ -22,6 +23,7 @@ from specdec.api.errors import APIError
 from specdec.api.schemas import ERROR_RESPONSES, ChatMessage
 from specdec.api.state import ServerState, server_state
 from specdec.api.tools import ToolDefinition
+from specdec.target.tokenizer import encode_prompt
 
 router = APIRouter()
 
@@ -70,7 +72,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         if body.add_generation_prompt is not None:
             raise APIError(400, "add_generation_prompt applies to messages", "add_generation_prompt")
         tokenizer = state.require_tokenizer("there is nothing to tokenize with", "prompt")
-        ids = tokenizer.encode(body.prompt, add_special_tokens=bool(body.add_special_tokens))
+        if body.add_special_tokens is None:  # as /v1/completions tokenizes it
+            ids = encode_prompt(tokenizer, body.prompt)
+        else:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     strs = state.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": state.info().max_model_len, "tokens": ids, "token_strs": strs}
 

@@ -142,14 +142,15 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
 
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
-        """Prompt text -> token ids, through the chat template when `chat`."""
+        """Prompt text -> token ids, through the chat template when `chat`, else led by the model's BOS
+        where its tokenizer adds one (`encode_prompt`)."""
         if self.tokenizer is None:
             raise ValueError("this engine has no tokenizer; pass token ids")
-        from specdec.target.tokenizer import apply_chat_template
+        from specdec.target.tokenizer import apply_chat_template, encode_prompt
 
         if chat:
             return apply_chat_template(self.tokenizer, prompt)
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -282,9 +282,28 @@ def gguf_config(gguf: GGUFFile):
     if mixtral:
         model_type = "mixtral"
         config.update(num_local_experts=meta["llama.expert_count"], num_experts_per_tok=meta["llama.expert_used_count"])
+    # A GGUF holds one decoder: a family whose transformers type is multimodal (Gemma 3's
+    # `gemma3` -> Gemma3ForConditionalGeneration) is read as its text model, whatever transformers guesses
+    model_type = _GGUF_TEXT_MODEL_TYPES.get(model_type, model_type)
+    if model_type == "gemma3_text":
+        config.update(_gemma3_attention_scale(meta, config))
     hf_config = AutoConfig.for_model(model_type, **config)
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)]
     return hf_config
+
+
+# transformers model types of a multimodal family -> the type of its text decoder, which is all a
+# GGUF of that family holds (the vision tower ships as a separate mmproj file)
+_GGUF_TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
+def _gemma3_attention_scale(meta: dict, config: dict) -> dict:
+    """Gemma 3's query scale, which its GGUF does not store: llama.cpp (`llama-model.cpp`) takes
+    `head_dim ** -0.5`, except for the 27B (62 layers), `(hidden / heads) ** -0.5`, as the
+    checkpoints' `query_pre_attn_scalar` says."""
+    if meta.get("gemma3.block_count") == 62:
+        return {"query_pre_attn_scalar": config["hidden_size"] // config["num_attention_heads"]}
+    return {"query_pre_attn_scalar": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]}
 
 
 # llama.cpp's names of the MoE architectures -> transformers' model types (Mixtral is written as

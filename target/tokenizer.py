@@ -40,6 +40,19 @@ def same_tokenizer_files(a: str | Path, b: str | Path) -> bool:
     return True
 
 
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """A raw (not chat) prompt -> token ids, led by the model's BOS where its tokenizer adds one
+    (Gemma, Llama: `add_bos_token`; Qwen adds none), once: as llama.cpp and vLLM tokenize a
+    completion prompt. Without it such a model reads the text as the middle of a document and
+    degrades (Gemma 3 270M repeats itself). No EOS is appended, whatever the tokenizer's default."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None or ids[:1] == [bos]:
+        return ids
+    leading = list(tokenizer.encode("", add_special_tokens=True))
+    return [bos, *ids] if leading[:1] == [bos] else ids
+
+
 def is_chat_model(tokenizer: Any) -> bool:
     """Whether the tokenizer carries a chat template (instruct / chat models do)."""
     return bool(getattr(tokenizer, "chat_template", None))

@@ -73,4 +73,5 @@ def add_gguf_tokenizer(writer, tokenizer) -> None:
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
+    if tokenizer.chat_template is not None:
+        writer.add_chat_template(tokenizer.chat_template)

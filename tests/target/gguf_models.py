@@ -1,0 +1,89 @@
+"""Dense transformers models written as GGUF files the way llama.cpp's `convert_hf_to_gguf.py`
+writes their family (tensor names from gguf-py's own table, the family's metadata keys and its
+tensor rewrites: Gemma's norms stored as `1 + w`), so a test can load what a user would download.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# transformers model type -> (gguf-py's architecture, its GGUF name)
+_ARCH = {"gemma3_text": ("GEMMA3", "gemma3")}
+
+
+def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names, float32, rewritten as its converter does."""
+    import gguf
+
+    cfg = hf_model.config
+    arch, _ = _ARCH[cfg.model_type]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch], cfg.num_hidden_layers)
+    out = {}
+    for name, t in hf_model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = t.detach().float().numpy()
+        if cfg.model_type == "gemma3_text" and name.endswith("norm.weight"):
+            t = t + 1  # llama.cpp's Gemma norms multiply by the stored weight
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        out[gguf_name] = t
+    return out
+
+
+# A sentencepiece vocabulary as Gemma's GGUFs store one (`tokenizer.ggml.model` "llama"):
+# <pad> <eos> <bos> <unk>, the 256 byte tokens, then pieces whose scores order their merges
+SPM_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
+_SPM_WORDS = "the quick brown fox jumps over lazy dog def add return speculative decoding draft target".split()
+
+
+def spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a tiny Gemma-style vocabulary (`SPM_SPECIAL` first)."""
+    pieces = sorted({w[:i] for w in _SPM_WORDS for i in range(1, len(w) + 1)}
+                    | {"\u2581" + w[:i] for w in _SPM_WORDS for i in range(0, len(w) + 1)}, key=lambda p: (len(p), p))
+    tokens = SPM_SPECIAL + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * (len(SPM_SPECIAL) + 256) + [-float(i) for i in range(len(pieces))]
+    types = [3] * len(SPM_SPECIAL) + [6] * 256 + [1] * len(pieces)  # control, byte, normal
+    return tokens, scores, types
+
+
+def write_gguf(hf_model, path) -> None:
+    """`hf_model` (its vocabulary the size of `spm_vocab`'s) as a GGUF file with that vocabulary,
+    BOS added as Gemma's tokenizer adds it."""
+    import gguf
+
+    tokens, scores, types = spm_vocab()
+    assert hf_model.config.vocab_size == len(tokens)
+    cfg = hf_model.config
+    _, arch = _ARCH[cfg.model_type]
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_name(f"tiny {arch}")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+    for name, values in gguf_tensors(hf_model).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
