@@ -151,7 +151,10 @@ def describe_engine(config: EngineConfig, engine=None) -> str:
     ("kernels: avx2 (SPECDEC_ISA=avx2; this CPU: avx512-vnni)")."""
     from specdec import native
 
+    config = engine.config if engine is not None else config  # what runs (a target alone: prompt lookup)
     mode = "target only" if not config.speculative else f"{config.proposer} proposer, k={config.num_speculative_tokens}"
+    if engine is not None and engine.proposer_note:
+        mode += f" ({engine.proposer_note})"
     for runner in (engine.runners[1:] if engine is not None else []):
         if (ids := getattr(runner.model, "head_ids", None)) is not None:
             mode += f", draft vocab {len(ids)}/{runner.model.config.vocab_size}"

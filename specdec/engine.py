@@ -49,11 +49,14 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        from specdec.engine_parts import load_engine_parts, resolve_config
+        from specdec.engine_parts import load_engine_parts, proposer_for_target, resolve_config
 
-        config = resolve_config(config or EngineConfig())  # engine.config names what it runs
+        # engine.config names what it runs: a target alone, of a family the default draft cannot
+        # serve, decodes with prompt lookup (`proposer_note` says why)
+        config, note = proposer_for_target(resolve_config(config or EngineConfig()))
         target, draft, tokenizer = load_engine_parts(config)
         self._setup(config, target, draft, tokenizer)
+        self.proposer_note = note
 
     @classmethod
     def from_models(
@@ -72,6 +75,7 @@ class Engine:
 
         self.config = config
         self.tokenizer = tokenizer
+        self.proposer_note: str | None = None  # why the proposer is not the one asked for
         self.target, draft_runner = build_runners(config, target, draft)
         self.timings = StepTimings()  # this step's timed forwards, for the policy
         self.proposer = self._build_proposer(draft_runner)

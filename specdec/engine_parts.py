@@ -19,7 +19,7 @@ from specdec.config import EngineConfig
 from specdec.draft import vocab
 from specdec.target.default_pair import finish_check
 from specdec.target.family_quant import family_quant
-from specdec.target.model_files import DEFAULT_DRAFT_SPEC, resolve_model
+from specdec.target.model_files import DEFAULT_DRAFT_SPEC, DEFAULT_TARGET_SPEC, resolve_model
 from specdec.target.model_weights import load_model, parse_dtype
 from specdec.target.quant import decoder_stack, int4, qgemm
 from specdec.target.quant.qgemm import load_qgemm
@@ -57,6 +57,34 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         # no draft model (`draft=None`, a model-free proposer or none): its quantization is moot
         draft_quant=family_quant(config.draft, draft, config.draft_quant) if config.draft else (config.draft_quant or draft),
     )
+
+
+def proposer_for_target(config: EngineConfig) -> tuple[EngineConfig, str | None]:
+    """`config` with prompt lookup in place of the default draft where that draft cannot serve the
+    target, and why (None: `config` as given). The default draft is Qwen2.5's: a target of another
+    family given without `--draft` decodes with prompt lookup (`proposer="ngram"`, no draft model)
+    rather than failing on the tokenizers; a draft the user names is still checked
+    (`TokenizerMismatchError`)."""
+    if not (config.speculative and config.uses_draft_model and config.draft == DEFAULT_DRAFT_SPEC
+            and config.target != DEFAULT_TARGET_SPEC):
+        return config, None
+    from specdec.target.default_pair import ModelsNotInstalledError
+
+    target_dir = resolve_model(config.target, wait_check=False)
+    try:
+        draft_dir = resolve_model(DEFAULT_DRAFT_SPEC, wait_check=False)
+    except ModelsNotInstalledError:
+        why = "the default draft is not installed"
+    else:
+        if same_tokenizer_files(target_dir, draft_dir):
+            return config, None
+        try:
+            check_same_tokenizer(load_tokenizer(target_dir), load_tokenizer(draft_dir), config)
+            return config, None
+        except TokenizerMismatchError:
+            why = "the default draft (Qwen2.5) has another tokenizer"
+    note = f"prompt lookup: {why}; --draft a model with this target's tokenizer"
+    return dataclasses.replace(config, proposer="ngram", draft=None), note
 
 
 def draft_default(spec: str | None) -> str:

@@ -123,6 +123,10 @@ class SafetensorsCheckpoint:
         pass  # the mapping is safetensors' own, and its tensors may view it
 
 
+# GGUF tensors that are read into config.json, not weights: name -> where (`model_files.gguf_config`)
+FOLDED_INTO_CONFIG = {"rope_freqs.weight": "rope_parameters (llama3 scaling)"}
+
+
 class GGUFCheckpoint:
     """The tensors of a GGUF file (one file, or its parts in order) under their Hugging Face
     names (config.json of `folder`)."""
@@ -154,6 +158,19 @@ class GGUFCheckpoint:
                     name = f"model.layers.{m['layer']}.mlp.experts.{e}.{m['proj']}_proj.weight"
                     self._gguf_name[name] = gguf_name
                     self._expert[name] = (gguf_name, e)
+        self._check_every_tensor_read()
+
+    def _check_every_tensor_read(self) -> None:
+        """Refuse a file with a tensor that nothing reads: run without it, the model would be
+        another one (Llama 3.1's rope_freqs once was). Tensors folded into config.json are read."""
+        read = {*self._gguf_name.values(), *(n for pair in self._kv_b.values() for n in pair), *FOLDED_INTO_CONFIG}
+        unread = [name for name in self.file.tensors if name not in read]
+        if unread:
+            from specdec.target.config import UnsupportedModelError
+
+            shown = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4 else "")
+            raise UnsupportedModelError(f"{self.file.path.name}: specdec reads no tensor {shown} "
+                                        f"({self.file.metadata.get('general.architecture')!r} files)")
 
     def names(self) -> list[str]:
         return [*self._gguf_name, *self._kv_b]

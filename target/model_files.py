@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from specdec.paths import cache_dir
 from specdec.target.checkpoint_reader import GGUF_NAME, weight_files
 from specdec.target.config import SUPPORTED_ARCHITECTURES, UnsupportedModelError
@@ -181,10 +183,40 @@ def prepare_gguf(gguf_file: Path, progress: bool = True) -> Path:
     """
     out = gguf_model_dir(gguf_file)
     _remove_legacy_conversion(out.name)
+    describe = lambda tmp: _describe_into(GGUFFile.open(gguf_file), tmp, progress)  # noqa: E731
     if not (out / "config.json").is_file():
-        _build_folder(out, lambda tmp: _describe_into(GGUFFile.open(gguf_file), tmp, progress))
+        _build_folder(out, describe)
+    elif _described_by(out) != DESCRIBE_VERSION:  # an older specdec read the metadata: read it again
+        _redescribe(out, describe)
     _link_weights(out, gguf_file)
     return out
+
+
+# Bumped when `gguf_config` or the tokenizer reading changes what a GGUF folder holds, so folders
+# described by an older specdec are described again (2: Gemma 3's text decoder, Llama 3.1 rope_freqs)
+DESCRIBE_VERSION = 2
+_STAMP = "specdec_describe.json"
+
+
+def _described_by(folder: Path) -> int:
+    import json
+
+    try:
+        return int(json.loads((folder / _STAMP).read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1
+
+
+def _redescribe(out: Path, describe) -> None:
+    """Describe `out` again in a temporary sibling and move its files over the old ones (the
+    stamp last, so an interrupted run describes again)."""
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        describe(tmp)
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == _STAMP):
+            os.replace(f, out / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _build_folder(out: Path, describe) -> None:
@@ -231,6 +263,7 @@ def _describe_into(gguf: GGUFFile, folder: Path, progress: bool, name: str | Non
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    (folder / _STAMP).write_text(f'{{"version": {DESCRIBE_VERSION}}}\n')
     _make_readable(folder)
     say(f"read the config and tokenizer of {name} in {time.perf_counter() - start:.1f} s")
 
@@ -278,6 +311,8 @@ def gguf_config(gguf: GGUFFile):
         # and the dense layers among the sparse ones (those without a router)
         layers = meta[f"{arch}.block_count"]
         config["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors]
+    if ROPE_FREQS in gguf.tensors:  # Llama 3.1+: the rope scaling lives in a tensor, not in metadata
+        config["rope_parameters"] = _rope_from_freqs(gguf, config)
     model_type = config.pop("model_type")
     if mixtral:
         model_type = "mixtral"
@@ -290,6 +325,23 @@ def gguf_config(gguf: GGUFFile):
     hf_config = AutoConfig.for_model(model_type, **config)
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)]
     return hf_config
+
+
+# llama.cpp's converter writes Llama 3.1+'s rope scaling as per-frequency divisors in this tensor
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_from_freqs(gguf: GGUFFile, config: dict) -> dict:
+    """`rope_parameters` (llama3) of the divisors in the file's `rope_freqs.weight`; a file whose
+    divisors are of no scaling transformers names is refused rather than run without them."""
+    from specdec.target.rope import llama3_rope_from_factors
+
+    theta = float(config.get("rope_theta", 10000.0))
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    try:
+        return llama3_rope_from_factors(np.asarray(gguf.dequantize(ROPE_FREQS)), theta, head_dim)
+    except ValueError as error:
+        raise UnsupportedModelError(f"{gguf.path.name}: {error}") from error
 
 
 # transformers model types of a multimodal family -> the type of its text decoder, which is all a

@@ -134,3 +134,59 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     half = x.shape[-1] // 2
     swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [x2, x1]
     return x * cos + swapped * signed_sin
+
+
+def llama3_rope_from_factors(factors: Any, rope_theta: float, head_dim: int) -> dict:
+    """Llama 3.1+'s `rope_parameters` from the per-frequency divisors a GGUF stores in its
+    `rope_freqs.weight` tensor (llama.cpp's converter writes the scaling there, not in metadata).
+
+    llama3 scaling leaves short wavelengths alone (divisor 1), divides long ones by `factor`, and
+    between them blends with `smooth = (original / wavelength - low) / (high - low)`. The divisors
+    fix `factor` (their largest) and the two boundaries, so any one of (original, low, high) is
+    free: low is taken as 1, Llama 3.x's own. Raises ValueError where the divisors are not of
+    that form (no other scaling rewrites them back to the file's values).
+    """
+    import math
+
+    factors = torch.as_tensor(factors, dtype=torch.float64).flatten()
+    inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if factors.numel() != inv_freq.numel():
+        raise ValueError(f"rope_freqs holds {factors.numel()} factors; a head of {head_dim} has {inv_freq.numel()} frequencies")
+    factor = float(factors.max())
+    wavelen = 2 * math.pi / inv_freq
+    params = {"rope_type": "llama3", "rope_theta": float(rope_theta), "factor": factor, "low_freq_factor": 1.0}
+    if factor <= 1.0:
+        raise ValueError(f"rope_freqs does not scale (largest factor {factor})")
+    # smooth_i from each blended divisor: 1 / f = (1 - smooth) / factor + smooth
+    blended = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
+    smooth = (1 / factors - 1 / factor) / (1 - 1 / factor)
+    if int(blended.sum()) >= 2:  # smooth = a / wavelength + b: a = original / (high - low), b = -low / (high - low)
+        x, y = 1 / wavelen[blended], smooth[blended]
+        a = float(((x - x.mean()) * (y - y.mean())).sum() / ((x - x.mean()) ** 2).sum())
+        b = float(y.mean() - a * x.mean())
+        span = -1 / b if b < 0 else 3.0
+        original, high = a * span, 1.0 + span
+    else:  # too few blended frequencies to fit: Llama 3's high = 4, the original context inside the gap
+        high = 4.0
+        if int(blended.sum()) == 1:
+            original = float(wavelen[blended][0] * (3 * smooth[blended][0] + 1))
+        else:
+            longest_kept = float(wavelen[factors <= 1 + 1e-6].max(initial=0.0) if (factors <= 1 + 1e-6).any() else 0.0)
+            shortest_scaled = float(wavelen[factors >= factor * (1 - 1e-6)].min())
+            original = math.sqrt(max(longest_kept * high, 1.0) * shortest_scaled)
+    if abs(original - round(original)) < 1e-3 * max(1.0, original):
+        original = round(original)
+    params.update(high_freq_factor=round(high, 6), original_max_position_embeddings=original)
+    if not torch.allclose(_llama3_divisors(params, wavelen), factors, rtol=1e-4, atol=1e-6):
+        raise ValueError("rope_freqs is not llama3 scaling (its factors fit no factor / low / high / original context)")
+    return params
+
+
+def _llama3_divisors(params: dict, wavelen: torch.Tensor) -> torch.Tensor:
+    """What llama.cpp's converter writes to rope_freqs for llama3 `params` (its formula)."""
+    original, low, high, factor = (params["original_max_position_embeddings"], params["low_freq_factor"],
+                                   params["high_freq_factor"], params["factor"])
+    smooth = (original / wavelen - low) / (high - low)
+    out = 1 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen < original / high, torch.ones_like(out), out)
+    return torch.where(wavelen > original / low, torch.full_like(out, factor), out)

@@ -1,14 +1,41 @@
 """Dense transformers models written as GGUF files the way llama.cpp's `convert_hf_to_gguf.py`
 writes their family (tensor names from gguf-py's own table, the family's metadata keys and its
-tensor rewrites: Gemma's norms stored as `1 + w`), so a test can load what a user would download.
+tensor rewrites: Gemma's norms stored as `1 + w`, Llama's q/k rows permuted and its llama3 rope
+scaling as `rope_freqs.weight`), so a test can load what a user would download.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # transformers model type -> (gguf-py's architecture, its GGUF name)
-_ARCH = {"gemma3_text": ("GEMMA3", "gemma3")}
+_ARCH = {"gemma3_text": ("GEMMA3", "gemma3"), "llama": ("LLAMA", "llama")}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for the llama architecture (its converter's `permute`)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_freqs(cfg) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's converter writes for a llama3-scaled config (its loop)."""
+    rope = cfg.rope_parameters
+    base, dim = rope["rope_theta"], cfg.head_dim
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
@@ -25,9 +52,13 @@ def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
         t = t.detach().float().numpy()
         if cfg.model_type == "gemma3_text" and name.endswith("norm.weight"):
             t = t + 1  # llama.cpp's Gemma norms multiply by the stored weight
+        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = _permute(t, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         out[gguf_name] = t
+    if cfg.model_type == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
+        out["rope_freqs.weight"] = llama3_rope_freqs(cfg)
     return out
 
 
@@ -47,13 +78,12 @@ def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_gguf(hf_model, path) -> None:
-    """`hf_model` (its vocabulary the size of `spm_vocab`'s) as a GGUF file with that vocabulary,
-    BOS added as Gemma's tokenizer adds it."""
+def write_gguf(hf_model, path, tokenizer=None) -> None:
+    """`hf_model` as a GGUF file with `tokenizer` (a byte-level BPE, as Llama 3's), or without one
+    with `spm_vocab`'s vocabulary (Gemma's kind: the model's vocabulary must be its size), BOS
+    added as Gemma's and Llama's tokenizers add it."""
     import gguf
 
-    tokens, scores, types = spm_vocab()
-    assert hf_model.config.vocab_size == len(tokens)
     cfg = hf_model.config
     _, arch = _ARCH[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), arch=arch)
@@ -67,8 +97,31 @@ def write_gguf(hf_model, path) -> None:
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
-    writer.add_sliding_window(cfg.sliding_window)
+    if cfg.model_type == "gemma3_text":
+        writer.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
+        writer.add_sliding_window(cfg.sliding_window)
+    else:
+        writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+        writer.add_rope_dimension_count(cfg.head_dim)
+    if tokenizer is not None:
+        from tests.target.conftest import add_gguf_tokenizer
+
+        add_gguf_tokenizer(writer, tokenizer)
+        writer.add_tokenizer_pre("llama-bpe")
+        writer.add_add_bos_token(True)
+    else:
+        _add_spm_vocab(writer, hf_model.config.vocab_size)
+    for name, values in gguf_tensors(hf_model).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_spm_vocab(writer, vocab_size: int) -> None:
+    tokens, scores, types = spm_vocab()
+    assert vocab_size == len(tokens)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
@@ -81,9 +134,3 @@ def write_gguf(hf_model, path) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)
-    for name, values in gguf_tensors(hf_model).items():
-        writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from specdec.target.model_files import resolve_model
 
 from specdec.target.tokenizer import load_tokenizer
 
+from .conftest import build_tiny_tokenizer
 from .gguf_models import spm_vocab, write_gguf
 
 PROMPTS = ["The quick brown fox jumps over", "def add(a, b):\n"]
@@ -41,6 +43,28 @@ def _tiny_gemma3():
     )
     model = tf.Gemma3ForCausalLM(config).eval()
     with torch.no_grad():  # sharp logits, and norms away from their identity
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+LLAMA31_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=16, rope_theta=500000.0)
+LONG_PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "def add(a, b):\n    return a + b\n" * 3]
+
+
+def _tiny_llama31(tokenizer):
+    """Llama 3.1's rope scaling with an original context of 16, so prompts of ~30 tokens run past it."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_parameters=LLAMA31_ROPE, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = tf.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.2)
     return model
@@ -72,3 +96,54 @@ def test_gemma3_gguf_loads_as_its_text_decoder_and_generates_as_transformers(tmp
         engine = Engine(EngineConfig(target=str(path), dtype="float32", num_blocks=64, block_size=4, **kw))
         assert engine.encode(PROMPTS[0])[0] == tokenizer.bos_token_id
         assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == expected, kw
+
+
+def test_llama31_gguf_keeps_its_rope_scaling_past_the_original_context(tmp_path):
+    """llama.cpp writes Llama 3.1+'s rope scaling only as `rope_freqs.weight`: read back into
+    config.json's rope_parameters, the model matches transformers past the original 16 positions
+    (without it the rotations there differ)."""
+    tokenizer = build_tiny_tokenizer(chat_template=None)
+    hf = _tiny_llama31(tokenizer)
+    path = tmp_path / "tiny-llama31.gguf"
+    write_gguf(hf, path, tokenizer)
+
+    folder = resolve_model(str(path), progress=False)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_parameters"] == LLAMA31_ROPE
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = Engine(EngineConfig(target=str(path), proposer="none", dtype="float32", num_blocks=64, block_size=4))
+    ids = [engine.encode(p) for p in LONG_PROMPTS]
+    assert all(len(i) > 20 and i[0] == tokenizer.bos_token_id for i in ids)
+    expected = [hf.generate(torch.tensor([i]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(i):].tolist()
+                for i in ids]
+    assert [o.token_ids for o in engine.generate(ids, greedy)] == expected
+
+
+def test_a_gguf_tensor_nothing_reads_is_refused(tmp_path):
+    """Run without a tensor it holds, a model would be another one: the load stops and names it."""
+    import gguf
+
+    from specdec.target.config import UnsupportedModelError
+    from specdec.target.model_weights import load_model
+
+    from .gguf_models import gguf_tensors
+
+    tokenizer = build_tiny_tokenizer(chat_template=None)
+    hf = _tiny_llama31(tokenizer)
+    path = tmp_path / "extra.gguf"
+    write_gguf(hf, path, tokenizer)
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(tmp_path / "with-extra.gguf"), arch="llama")
+    for field in reader.fields.values():
+        if not field.name.startswith("GGUF.") and field.name != "general.architecture":
+            writer.add_key_value(field.name, field.contents(), field.types[0],
+                                 field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for name, values in {**gguf_tensors(hf), "blk.0.attn_sinks.weight": np.ones(4, np.float32)}.items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    folder = resolve_model(str(tmp_path / "with-extra.gguf"), progress=False)
+    with pytest.raises(UnsupportedModelError, match="reads no tensor blk.0.attn_sinks.weight"):
+        load_model(folder, torch.float32)
