@@ -20,6 +20,7 @@ transformers' GGUF loader calls, so values are bitwise those of the former float
 from __future__ import annotations
 
 import ctypes
+import functools
 import struct
 import sys
 from collections.abc import Sequence
@@ -105,9 +106,10 @@ class GGUFFile:
         for grow in range(1, len(data.maps) + 1):  # a header longer than the first part: join more
             try:
                 return cls._parse(Path(paths[0]), data, head)
-            except (struct.error, IndexError, UnicodeDecodeError):
+            except (struct.error, IndexError, UnicodeDecodeError) as error:
                 if grow == len(data.maps):
-                    raise
+                    raise ValueError(f"{paths[0]}: its GGUF header is cut short or corrupt ({len(data)} bytes; "
+                                     f"{error}): the file is truncated or damaged (an interrupted download?)") from None
                 head = data.slice(0, int(data.starts[grow + 1]))
         raise AssertionError("unreachable")
 
@@ -139,6 +141,15 @@ class GGUFFile:
             name: GGUFTensor(name, shape, t, base + offset, _nbytes(t, prod(shape), name))
             for name, shape, t, offset in table
         }
+        if tensors and (last := max(tensors.values(), key=lambda t: t.start + t.nbytes)).start + last.nbytes > len(data):
+            raise ValueError(f"{path} is truncated: its tensors take {last.start + last.nbytes} bytes, the file holds "
+                             f"{len(data)} ({last.name} ends past its end; an interrupted download?)")
+        for info in tensors.values():
+            if not readable(info.ggml_type):
+                import gguf
+
+                raise ValueError(f"{path}: tensor {info.name} is stored as {gguf.GGMLQuantizationType(info.ggml_type).name}, "
+                                 "a ggml type specdec has no reader for (docs/gguf-kernels.md lists those read)")
         return cls(path, metadata, tensors, data, metadata_end)
 
     def write_metadata_only(self, out: str | Path, architecture: str | None = None) -> None:
@@ -214,6 +225,22 @@ def _value(data: np.ndarray, pos: int, kind: int):
         (length,) = struct.unpack_from("<Q", data, pos)
         pos += 8 + length
     return count, pos
+
+
+@functools.cache
+def readable(ggml_type: int) -> bool:
+    """Whether specdec can read tensors of `ggml_type` (its own dequantizers, or the gguf
+    package's): one zero block is dequantized to find out."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(ggml_type)
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    try:
+        gguf.quants.dequantize(np.zeros((1, size), np.uint8) if kind != gguf.GGMLQuantizationType.F32
+                               else np.zeros(1, np.float32), kind)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _nbytes(ggml_type: int, elements: int, name: str) -> int:

@@ -147,3 +147,48 @@ def test_a_gguf_tensor_nothing_reads_is_refused(tmp_path):
     folder = resolve_model(str(tmp_path / "with-extra.gguf"), progress=False)
     with pytest.raises(UnsupportedModelError, match="reads no tensor blk.0.attn_sinks.weight"):
         load_model(folder, torch.float32)
+
+
+def _bad_files(tmp_path) -> dict[str, tuple]:
+    """name -> (path, what the one-line error says) for the GGUFs a user may have at hand broken."""
+    import gguf
+
+    from .gguf_models import gguf_tensors
+
+    tokenizer = build_tiny_tokenizer(chat_template=None)
+    hf = _tiny_llama31(tokenizer)
+    good = tmp_path / "good.gguf"
+    write_gguf(hf, good, tokenizer)
+    data = good.read_bytes()
+    files = {}
+    files["truncated"] = (tmp_path / "truncated.gguf", "is truncated: its tensors take")
+    files["truncated"][0].write_bytes(data[: len(data) - 1000])
+    files["header"] = (tmp_path / "header.gguf", "GGUF header is cut short")
+    files["header"][0].write_bytes(data[:100])
+    arch = b"\x05" + b"\x00" * 7 + b"llama"
+    files["architecture"] = (tmp_path / "unknown-arch.gguf", "GGUF architecture 'llamb' is not supported")
+    files["architecture"][0].write_bytes(data.replace(arch, arch[:-1] + b"b", 1))
+    q8k = gguf.GGMLQuantizationType.Q8_K
+    writer = gguf.GGUFWriter(str(tmp_path / "q8k.gguf"), arch="llama")
+    writer.add_block_count(2)
+    for name, values in gguf_tensors(hf).items():
+        writer.add_tensor(name, values)
+    writer.add_tensor("blk.0.ffn_extra.weight", np.zeros((1, 292), np.uint8), raw_dtype=q8k)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    files["type"] = (tmp_path / "q8k.gguf", "blk.0.ffn_extra.weight is stored as Q8_K, a ggml type specdec has no reader for")
+    return files
+
+
+def test_a_broken_gguf_is_a_one_line_error_and_leaves_nothing_cached(tmp_path, capsys):
+    from specdec.api.cli import main
+
+    for kind, (path, says) in _bad_files(tmp_path).items():
+        assert main(["generate", "hi", "--target", str(path), "--no-speculation", "--no-warmup"]) == 2, kind
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("specdec: error:") and str(path.name) in err and says in " ".join(err.split()), (kind, err)
+        assert "Traceback" not in err
+        models = tmp_path / "cache" / "models"
+        assert not models.exists() or not any(models.iterdir()), kind
