@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
     # mixtures of experts (`MoEConfig`)
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -114,7 +116,8 @@ class MLAConfig:
 
 @dataclass
 class ModelConfig:
-    """Shapes and hyper-parameters of one decoder (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3)."""
+    """Shapes and hyper-parameters of one decoder (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3,
+    SmolLM3, Granite, and the MoE / MLA families)."""
 
     vocab_size: int
     hidden_size: int
@@ -144,6 +147,9 @@ class ModelConfig:
     qk_norm_full: bool = False  # OLMoE: q and k RMS-normalised over all their heads at once (not per head)
     o_bias: bool = False  # OLMoE with attention_bias: o_proj has a bias too
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+    nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding at all (SmolLM3: every 4th); (): none
+    residual_scale: float | None = None  # Granite: each block's output times this before its residual add
+    logit_divisor: float | None = None  # Granite: logits divided by `logits_scaling`
     moe: MoEConfig | None = None  # sparse MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek); None: dense
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3); None: GQA
 
@@ -166,6 +172,7 @@ class ModelConfig:
             "local rope": any(self.local_rope_layers), "fused checkpoint projections": self.fused_checkpoint,
             "whole-width q/k norms": self.qk_norm_full, "o_proj bias": self.o_bias,
             "q/k/v clipping": self.clip_qkv is not None, "multi-head latent attention": self.mla is not None,
+            "no-rope layers": any(self.nope_layers), "residual scale": self.residual_scale is not None,
         }
         return [name for name, present in features.items() if present]
 
@@ -208,6 +215,7 @@ class ModelConfig:
         if model_type == "qwen2_moe":
             attention_bias = bool(getattr(hf_config, "qkv_bias", True))
         olmoe = model_type == "olmoe"
+        granite = model_type == "granite"
         gemma = model_type in GEMMA_TYPES
         hidden_act = getattr(hf_config, "hidden_activation", None) if gemma else None
         hidden_act = hidden_act or getattr(hf_config, "hidden_act", "silu")
@@ -234,9 +242,10 @@ class ModelConfig:
             hf_config=hf_config,
             qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             gemma_norms=gemma,
-            embedding_scale=hf_config.hidden_size**0.5 if gemma else None,
+            embedding_scale=hf_config.hidden_size**0.5 if gemma else (hf_config.embedding_multiplier if granite else None),
             hidden_act=hidden_act,
-            query_scale=hf_config.query_pre_attn_scalar**-0.5 if gemma else _mla_scale(hf_config, mla),
+            query_scale=(hf_config.query_pre_attn_scalar**-0.5 if gemma else
+                         hf_config.attention_multiplier if granite else _mla_scale(hf_config, mla)),
             attn_logit_softcap=getattr(hf_config, "attn_logit_softcapping", None) if gemma else None,
             final_logit_softcap=getattr(hf_config, "final_logit_softcapping", None) if gemma else None,
             sliding_windows=windows,
@@ -245,6 +254,9 @@ class ModelConfig:
             qk_norm_full=olmoe,
             o_bias=olmoe and attention_bias,
             clip_qkv=getattr(hf_config, "clip_qkv", None) if olmoe else None,
+            nope_layers=tuple(not use for use in hf_config.no_rope_layers) if model_type == "smollm3" else (),
+            residual_scale=hf_config.residual_multiplier if granite else None,
+            logit_divisor=hf_config.logits_scaling if granite else None,
             moe=_moe_config(hf_config, model_type, num_layers),
             mla=mla,
         )

@@ -1,4 +1,4 @@
-"""One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3,
+"""One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, SmolLM3, Granite,
 the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, and DeepSeek-V2/V3) over flat,
 varlen token batches. A layer's blocks are chosen by the config: attention GQA (`Attention`) or
 multi-head latent (`mla.LatentAttention`), MLP dense (`MLP`) or sparse (`moe.SparseMoE`), per layer.
@@ -176,8 +176,12 @@ class DecoderLayer(nn.Module):
         gemma = config.gemma_norms
         self.pre_feedforward_layernorm = make_norm(config, config.hidden_size) if gemma else None
         self.post_feedforward_layernorm = make_norm(config, config.hidden_size) if gemma else None
+        self.residual_scale = config.residual_scale  # Granite: each block's output scaled before its add
 
     def forward(self, h, rotation, kv_cache, layer_idx, meta) -> torch.Tensor:
+        if (scale := self.residual_scale) is not None:
+            h = h + self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm) * scale
+            return h + self.mlp(h, norm=self.post_attention_layernorm) * scale
         if self.pre_feedforward_layernorm is not None:
             attn = self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm)
             h = h + self.post_attention_layernorm(attn)
@@ -265,16 +269,23 @@ class LlamaForCausalLM(nn.Module):
                    meta: AttentionMetadata) -> torch.Tensor:  # [T, hidden], every layer this model holds
         rotation = self.rotary(positions, h.dtype)
         local = self.rotary.local_rotation(positions, h.dtype)  # Gemma 3's sliding layers; else None
+        nope = self.config.nope_layers
+        # SmolLM3's layers without rope: the rotation of position 0 is the identity
+        still = self.rotary(torch.zeros_like(positions), h.dtype) if any(nope) else None
         stack = self._layer_stack
         if stack is None or not stack.run(h, rotation, kv_cache, meta):  # run: h in place
             for i, layer in enumerate(self.model.layers):
-                local_rope = local is not None and self.config.local_rope_layers[self.layer_offset + i]
-                h = layer(h, local if local_rope else rotation, kv_cache, i, meta)
+                at = self.layer_offset + i
+                local_rope = local is not None and self.config.local_rope_layers[at]
+                h = layer(h, still if still is not None and nope[at] else local if local_rope else rotation,
+                          kv_cache, i, meta)
             self._tell_c_attention(meta)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:  # [R, hidden] -> logits [R, V] fp32
         logits = normed(self.model.norm, self.lm_head, h).float()
+        if (divisor := self.config.logit_divisor) is not None:  # Granite
+            logits = logits / divisor
         if (softcap := self.config.final_logit_softcap) is not None:
             logits = torch.tanh(logits / softcap) * softcap
         return logits

@@ -1,4 +1,5 @@
-"""Qwen3, Llama 3.x, Gemma 2 / 3, Phi-3 and Mistral with its sliding window against transformers
+"""Qwen3, Llama 3.x (3.2: tied), SmolLM3 (no-rope layers), Granite (its multipliers), Gemma 2 / 3,
+Phi-3 and Mistral with its sliding window against transformers
 on tiny random configs (fp32): prefill and step-by-step decode through the paged cache within
 1e-4 of transformers' logits, and speculative greedy output equal to transformers' `generate`.
 
@@ -56,6 +57,13 @@ def hf_config(arch: str):
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}
         return tf.Gemma3TextConfig(**shape, head_dim=32, query_pre_attn_scalar=20, sliding_window=5,
                                    layer_types=["sliding_attention", "full_attention"], rope_parameters=rope)
+    if arch == "llama32":  # Llama 3.2 1B / 3B: tied embeddings under llama3 rope scaling
+        return tf.LlamaConfig(**shape, rope_parameters={**LLAMA3_ROPE, "factor": 32.0}, tie_word_embeddings=True)
+    if arch == "smollm3":  # a layer without rope every 3rd here (every 4th in SmolLM3-3B)
+        return tf.SmolLM3Config(**{**shape, "num_hidden_layers": 3}, no_rope_layer_interval=3, tie_word_embeddings=True)
+    if arch == "granite":  # multipliers away from 1, as Granite 3.x's are
+        return tf.GraniteConfig(**shape, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                attention_multiplier=0.03, logits_scaling=3.0)
     if arch == "phi3":
         return tf.Phi3Config(**shape, sliding_window=5)
     if arch == "phi3-longrope":
@@ -67,7 +75,8 @@ def hf_config(arch: str):
     raise AssertionError(arch)
 
 
-ARCHS = ["qwen3", "llama3", "gemma2", "gemma3", "phi3", "phi3-longrope", "mistral-window", "qwen2-window"]
+ARCHS = ["qwen3", "llama3", "llama32", "smollm3", "granite", "gemma2", "gemma3", "phi3", "phi3-longrope",
+         "mistral-window", "qwen2-window"]
 _MODELS: dict = {}
 
 
