@@ -123,6 +123,9 @@ class SafetensorsCheckpoint:
         pass  # the mapping is safetensors' own, and its tensors may view it
 
 
+# llama.cpp architectures whose tensors are written as another's (llama's q/k row order)
+_PROCESSED_AS = {"smollm3": "llama", "granite": "llama"}
+
 # GGUF tensors that are read into config.json, not weights: name -> where (`model_files.gguf_config`)
 FOLDED_INTO_CONFIG = {"rope_freqs.weight": "rope_parameters (llama3 scaling)"}
 
@@ -138,7 +141,8 @@ class GGUFCheckpoint:
         self.file = GGUFFile.open(paths)
         hf_config = AutoConfig.from_pretrained(str(folder))
         architecture = self.file.metadata["general.architecture"]
-        self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
+        processor = TENSOR_PROCESSORS.get(_PROCESSED_AS.get(architecture, architecture), TensorProcessor)
+        self._processor = processor(config=hf_config.to_dict())
         to_hf = _saved_names(folder, lambda: gguf_to_hf_names(hf_config, self._processor))
         self._gguf_name = {to_hf[g]: g for g in self.file.tensors if g in to_hf}
         self._expert: dict[str, tuple[str, int]] = {}  # per-expert name -> (stacked tensor, expert)

@@ -285,6 +285,7 @@ def gguf_config(gguf: GGUFFile):
     # llama.cpp writes Mistral as llama; transformers tells them apart by general.name alone
     updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else arch
     updated = _GGUF_MOE_ARCHS.get(arch, updated)
+    updated = _GGUF_LLAMA_LIKE.get(arch, (updated,))[0]  # read as llama, then told apart below
     mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp writes Mixtral as llama
     if arch not in GGUF_SUPPORTED_ARCHITECTURES and updated not in GGUF_SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"{gguf.path.name}: GGUF architecture {arch!r} is not supported")
@@ -314,6 +315,9 @@ def gguf_config(gguf: GGUFFile):
     if ROPE_FREQS in gguf.tensors:  # Llama 3.1+: the rope scaling lives in a tensor, not in metadata
         config["rope_parameters"] = _rope_from_freqs(gguf, config)
     model_type = config.pop("model_type")
+    if arch in _GGUF_LLAMA_LIKE:
+        model_type = _GGUF_LLAMA_LIKE[arch][1]
+        config.update(_llama_like_extras(arch, meta))
     if mixtral:
         model_type = "mixtral"
         config.update(num_local_experts=meta["llama.expert_count"], num_experts_per_tok=meta["llama.expert_used_count"])
@@ -325,6 +329,21 @@ def gguf_config(gguf: GGUFFile):
     hf_config = AutoConfig.for_model(model_type, **config)
     hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, model_type)]
     return hf_config
+
+
+# llama.cpp architectures written as llama's (keys, q/k row order) that transformers has no GGUF
+# table for -> (the table read, transformers' model type); `_llama_like_extras` adds the rest
+_GGUF_LLAMA_LIKE = {"smollm3": ("llama", "smollm3"), "granite": ("llama", "granite")}
+
+
+def _llama_like_extras(arch: str, meta: dict) -> dict:
+    """What a llama-like family adds to llama's keys: SmolLM3's layers without rope (llama.cpp
+    stores no key: every 4th layer, its `n_no_rope_layer_step`), Granite's four multipliers."""
+    if arch == "smollm3":
+        return {"no_rope_layer_interval": 4, "no_rope_layers": None}
+    keys = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+            "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
+    return {name: float(meta[f"{arch}.{key}"]) for key, name in keys.items() if f"{arch}.{key}" in meta}
 
 
 # llama.cpp's converter writes Llama 3.1+'s rope scaling as per-frequency divisors in this tensor
@@ -367,7 +386,7 @@ _GGUF_MOE_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
 
 
 # architectures transformers reads no GGUF tokenizer of -> one whose tokenizer reading serves
-_TOKENIZER_STAND_IN = {"deepseek2": "qwen2"}
+_TOKENIZER_STAND_IN = {"deepseek2": "qwen2", "smollm3": "llama", "granite": "llama"}
 
 
 def _deepseek2_config(gguf: GGUFFile):

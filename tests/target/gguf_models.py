@@ -11,7 +11,9 @@ import math
 import numpy as np
 
 # transformers model type -> (gguf-py's architecture, its GGUF name)
-_ARCH = {"gemma3_text": ("GEMMA3", "gemma3"), "llama": ("LLAMA", "llama")}
+_ARCH = {"gemma3_text": ("GEMMA3", "gemma3"), "llama": ("LLAMA", "llama"), "smollm3": ("SMOLLM3", "smollm3"),
+         "granite": ("GRANITE", "granite")}
+_PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's LlamaModel and its subclasses permute q/k
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -22,7 +24,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 def llama3_rope_freqs(cfg) -> np.ndarray:
     """The `rope_freqs.weight` llama.cpp's converter writes for a llama3-scaled config (its loop)."""
     rope = cfg.rope_parameters
-    base, dim = rope["rope_theta"], cfg.head_dim
+    base, dim = rope["rope_theta"], cfg.hidden_size // cfg.num_attention_heads
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
     old = rope["original_max_position_embeddings"]
     out = []
@@ -52,7 +54,7 @@ def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
         t = t.detach().float().numpy()
         if cfg.model_type == "gemma3_text" and name.endswith("norm.weight"):
             t = t + 1  # llama.cpp's Gemma norms multiply by the stored weight
-        if cfg.model_type == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if cfg.model_type in _PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight")):
             t = _permute(t, cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads)
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
@@ -94,15 +96,21 @@ def write_gguf(hf_model, path, tokenizer=None) -> None:
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.model_type == "gemma3_text":
         writer.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
         writer.add_sliding_window(cfg.sliding_window)
     else:
         writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-        writer.add_rope_dimension_count(cfg.head_dim)
+        writer.add_rope_dimension_count(head_dim)
+    if cfg.model_type == "granite":  # its converter's names for the multipliers
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     if tokenizer is not None:
         from tests.target.conftest import add_gguf_tokenizer
 

@@ -192,3 +192,44 @@ def test_a_broken_gguf_is_a_one_line_error_and_leaves_nothing_cached(tmp_path, c
         assert "Traceback" not in err
         models = tmp_path / "cache" / "models"
         assert not models.exists() or not any(models.iterdir()), kind
+
+
+def _tiny(kind: str, tokenizer):
+    import transformers as tf
+
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    if kind == "smollm3":  # llama.cpp's SmolLM3: every 4th layer without rope, as SmolLM3-3B
+        model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**shape, no_rope_layer_interval=4, tie_word_embeddings=True))
+    else:
+        model = tf.GraniteForCausalLM(tf.GraniteConfig(**shape, embedding_multiplier=12.0, residual_multiplier=0.22,
+                                                       attention_multiplier=0.03, logits_scaling=3.0))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["smollm3", "granite"])
+def test_llama_like_gguf_generates_as_transformers(tmp_path, kind):
+    """SmolLM3 and Granite GGUFs, which transformers' GGUF loader has no table for: read as llama's
+    keys plus what the family adds (no-rope layers, multipliers)."""
+    tokenizer = build_tiny_tokenizer(chat_template=None)
+    hf = _tiny(kind, tokenizer)
+    path = tmp_path / f"tiny-{kind}.gguf"
+    write_gguf(hf, path, tokenizer)
+    config = json.loads((resolve_model(str(path), progress=False) / "config.json").read_text())
+    assert config["model_type"] == kind
+    if kind == "smollm3":
+        assert config["no_rope_layers"] == [1, 1, 1, 0]
+    else:
+        assert (config["residual_multiplier"], config["logits_scaling"]) == (pytest.approx(0.22), 3.0)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for kw in (dict(proposer="none"), dict(draft=str(path), proposer="draft", num_speculative_tokens=3)):
+        engine = Engine(EngineConfig(target=str(path), dtype="float32", num_blocks=64, block_size=4, **kw))
+        ids = [engine.encode(p) for p in LONG_PROMPTS]
+        expected = [hf.generate(torch.tensor([i]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(i):].tolist()
+                    for i in ids]
+        assert [o.token_ids for o in engine.generate(ids, greedy)] == expected, kw
