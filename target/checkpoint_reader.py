@@ -127,7 +127,9 @@ class SafetensorsCheckpoint:
 _PROCESSED_AS = {"smollm3": "llama", "granite": "llama"}
 
 # GGUF tensors that are read into config.json, not weights: name -> where (`model_files.gguf_config`)
-FOLDED_INTO_CONFIG = {"rope_freqs.weight": "rope_parameters (llama3 scaling)"}
+FOLDED_INTO_CONFIG = {"rope_freqs.weight": "rope_parameters (llama3 scaling)",
+                      "rope_factors_short.weight": "rope_parameters (longrope)",
+                      "rope_factors_long.weight": "rope_parameters (longrope)"}
 
 
 class GGUFCheckpoint:

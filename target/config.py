@@ -148,6 +148,7 @@ class ModelConfig:
     o_bias: bool = False  # OLMoE with attention_bias: o_proj has a bias too
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
     nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding at all (SmolLM3: every 4th); (): none
+    rotary_dim: int | None = None  # dims of each head rope turns (the first ones); None: all (head_dim)
     residual_scale: float | None = None  # Granite: each block's output times this before its residual add
     logit_divisor: float | None = None  # Granite: logits divided by `logits_scaling`
     moe: MoEConfig | None = None  # sparse MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek); None: dense
@@ -172,7 +173,7 @@ class ModelConfig:
             "local rope": any(self.local_rope_layers), "fused checkpoint projections": self.fused_checkpoint,
             "whole-width q/k norms": self.qk_norm_full, "o_proj bias": self.o_bias,
             "q/k/v clipping": self.clip_qkv is not None, "multi-head latent attention": self.mla is not None,
-            "no-rope layers": any(self.nope_layers), "residual scale": self.residual_scale is not None,
+            "no-rope layers": any(self.nope_layers), "partial rotary": self.rotary_dim is not None, "residual scale": self.residual_scale is not None,
         }
         return [name for name, present in features.items() if present]
 
@@ -221,7 +222,7 @@ class ModelConfig:
         hidden_act = hidden_act or getattr(hf_config, "hidden_act", "silu")
         if hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"activation {hidden_act!r} is not supported; specdec runs {ACTIVATIONS}")
-        _check_rope(hf_config)
+        rotary_dim = head_dim if mla is not None else _rotary_dim(hf_config, head_dim)
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise UnsupportedModelError("bidirectional attention (an encoder configuration) is not supported")
         windows = _sliding_windows(hf_config, num_layers)
@@ -255,6 +256,7 @@ class ModelConfig:
             o_bias=olmoe and attention_bias,
             clip_qkv=getattr(hf_config, "clip_qkv", None) if olmoe else None,
             nope_layers=tuple(not use for use in hf_config.no_rope_layers) if model_type == "smollm3" else (),
+            rotary_dim=rotary_dim if rotary_dim < head_dim else None,
             residual_scale=hf_config.residual_multiplier if granite else None,
             logit_divisor=hf_config.logits_scaling if granite else None,
             moe=_moe_config(hf_config, model_type, num_layers),
@@ -387,12 +389,18 @@ def _local_rope_layers(hf_config: Any, num_layers: int) -> tuple[bool, ...]:
     return tuple(t == "sliding_attention" for t in layer_types)
 
 
-def _check_rope(hf_config: Any) -> None:
+def _rotary_dim(hf_config: Any, head_dim: int) -> int:
+    """The dims of each head rope turns: all, or the share `partial_rotary_factor` names (Phi-4-mini
+    0.75), the same for every layer type; a share of no even width is refused."""
     params = getattr(hf_config, "rope_parameters", None) or {}
-    for p in params.values() if layer_typed(hf_config) else [params]:
-        factor = p.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0))
-        if factor not in (None, 1.0):
-            raise UnsupportedModelError(f"partial rotary embeddings (factor {factor}) are not supported")
+    factors = {p.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None)) or 1.0
+               for p in (params.values() if layer_typed(hf_config) else [params])}
+    if len(factors) > 1:
+        raise UnsupportedModelError(f"partial rotary factors that differ by layer type ({sorted(factors)}) are not supported")
+    rotary = int(head_dim * float(factors.pop()))
+    if not 0 < rotary <= head_dim or rotary % 2:
+        raise UnsupportedModelError(f"a rotary width of {rotary} of a {head_dim}-wide head is not supported")
+    return rotary
 
 
 def _max_positions(hf_config: Any) -> int:

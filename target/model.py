@@ -61,6 +61,7 @@ class Attention(nn.Module):
         self.q_norm = make_norm(config, hq * d if self.norm_full else d) if config.qk_norm or self.norm_full else None
         self.k_norm = make_norm(config, hkv * d if self.norm_full else d) if config.qk_norm or self.norm_full else None
         self.clip = config.clip_qkv  # OLMoE: q, k, v clamped to [-clip, clip] after the norms
+        self.partial_rotary = config.rotary_dim is not None  # the C attention turns whole heads
 
     def fuse_projections(self, fuse) -> None:
         """Replace q/k/v by `fuse([q, k, v])`, one module computing all three (unless it is None)."""
@@ -113,8 +114,9 @@ class Attention(nn.Module):
 
     @property
     def c_kernel_fits(self) -> bool:
-        """The C attention (`cpu_attention`) implements neither sliding windows nor soft-capping."""
-        return self.window is None and self.softcap is None and self.clip is None
+        """The C attention (`cpu_attention`) implements neither sliding windows, soft-capping,
+        clipping nor partial rotary."""
+        return self.window is None and self.softcap is None and self.clip is None and not self.partial_rotary
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, (Hq + 2 Hkv) * D]
         """`qkv` with each head of q and k RMS-normalised (Qwen3, Gemma 3)."""
@@ -215,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         max_pos = min(config.max_position_embeddings, MAX_ROPE_POSITIONS)
-        self.rotary = RotaryEmbedding(config.hf_config, config.head_dim, max_pos)
+        self.rotary = RotaryEmbedding(config.hf_config, config.rotary_dim or config.head_dim, max_pos)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._layer_stack: LayerStack | None = None  # see use_layer_stack

@@ -314,6 +314,8 @@ def gguf_config(gguf: GGUFFile):
         config["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors]
     if ROPE_FREQS in gguf.tensors:  # Llama 3.1+: the rope scaling lives in a tensor, not in metadata
         config["rope_parameters"] = _rope_from_freqs(gguf, config)
+    if arch == "phi3":
+        config.update(_phi3_extras(gguf, config))
     model_type = config.pop("model_type")
     if arch in _GGUF_LLAMA_LIKE:
         model_type = _GGUF_LLAMA_LIKE[arch][1]
@@ -344,6 +346,31 @@ def _llama_like_extras(arch: str, meta: dict) -> dict:
     keys = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
             "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
     return {name: float(meta[f"{arch}.{key}"]) for key, name in keys.items() if f"{arch}.{key}" in meta}
+
+
+def _phi3_extras(gguf: GGUFFile, config: dict) -> dict:
+    """What transformers' phi3 GGUF table leaves out: the rotary width (Phi-4-mini turns 3/4 of
+    each head: `rope.dimension_count`), the window (0: none, Phi-4), and the 128k models' longrope
+    factors, which llama.cpp's converter writes as the tensors `rope_factors_{short,long}.weight`."""
+    meta, head_dim = gguf.metadata, config["hidden_size"] // config["num_attention_heads"]
+    rope = {"rope_type": "default", "rope_theta": float(config.get("rope_theta", 10000.0))}
+    rotary = meta.get("phi3.rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        rope["partial_rotary_factor"] = rotary / head_dim
+    if ROPE_FACTORS[0] in gguf.tensors:
+        short, long = (np.asarray(gguf.dequantize(name), dtype=np.float64).tolist() for name in ROPE_FACTORS)
+        rope.update(rope_type="longrope", short_factor=short, long_factor=long,
+                    original_max_position_embeddings=meta["phi3.rope.scaling.original_context_length"])
+    extras = {"rope_parameters": rope}
+    if "original_max_position_embeddings" in rope:  # Phi3Config copies its own field over the rope's
+        extras["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    if "phi3.attention.sliding_window" in meta:
+        extras["sliding_window"] = meta["phi3.attention.sliding_window"] or None
+    return extras
+
+
+# Phi-3 / Phi-4-mini's longrope factors as llama.cpp's converter writes them (read into config.json)
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 
 # llama.cpp's converter writes Llama 3.1+'s rope scaling as per-frequency divisors in this tensor

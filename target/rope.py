@@ -125,15 +125,26 @@ class Rotation:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [T, H, D]` by the per-token angles (neox layout: `x * cos + rotate_half(x) * sin`).
+    """Rotate `x [T, H, D]` by the per-token angles (neox layout: `x * cos + rotate_half(x) * sin`);
+    tables narrower than D (`[.., R]`: partial rotary) turn the first R dims and pass the rest.
 
     `rotate_half(x) = [-x2, x1]`; with the sign folded into `signed_sin = [-sin, sin]` it is a
     swap of the halves, one `flip` over a `[.., 2, D/2]` view: bitwise the same result. `x` may be
     a strided view (the q|k part of a fused projection).
     """
+    rotary = cos.shape[-1]
+    if rotary < x.shape[-1]:  # partial rotary (Phi-4-mini, GLM): only the first `rotary` dims turn
+        return torch.cat([apply_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)  # [x2, x1]
     return x * cos + swapped * signed_sin
+
+
+def partial_rotary_factor(hf_config: Any) -> float:
+    """The share of each head that rope turns (1.0: all of it; Phi-4-mini 0.75)."""
+    params = rope_parameters(hf_config, "full_attention" if layer_typed(hf_config) else None)
+    factor = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
+    return 1.0 if factor is None else float(factor)
 
 
 def llama3_rope_from_factors(factors: Any, rope_theta: float, head_dim: int) -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 
 # transformers model type -> (gguf-py's architecture, its GGUF name)
 _ARCH = {"gemma3_text": ("GEMMA3", "gemma3"), "llama": ("LLAMA", "llama"), "smollm3": ("SMOLLM3", "smollm3"),
-         "granite": ("GRANITE", "granite")}
+         "granite": ("GRANITE", "granite"), "phi3": ("PHI3", "phi3")}
 _PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's LlamaModel and its subclasses permute q/k
 
 
@@ -61,6 +61,9 @@ def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
         out[gguf_name] = t
     if cfg.model_type == "llama" and cfg.rope_parameters.get("rope_type") == "llama3":
         out["rope_freqs.weight"] = llama3_rope_freqs(cfg)
+    if cfg.model_type == "phi3" and cfg.rope_parameters.get("rope_type") == "longrope":
+        out["rope_factors_long.weight"] = np.array(cfg.rope_parameters["long_factor"], np.float32)
+        out["rope_factors_short.weight"] = np.array(cfg.rope_parameters["short_factor"], np.float32)
     return out
 
 
@@ -105,7 +108,13 @@ def write_gguf(hf_model, path, tokenizer=None) -> None:
         writer.add_sliding_window(cfg.sliding_window)
     else:
         writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-        writer.add_rope_dimension_count(head_dim)
+        if cfg.model_type != "phi3":
+            writer.add_rope_dimension_count(head_dim)
+    if cfg.model_type == "phi3":  # its converter: the rotary width, the original context, no window (0)
+        rope = cfg.rope_parameters
+        writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))
+        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        writer.add_sliding_window(cfg.sliding_window or 0)
     if cfg.model_type == "granite":  # its converter's names for the multipliers
         writer.add_attention_scale(cfg.attention_multiplier)
         writer.add_embedding_scale(cfg.embedding_multiplier)

@@ -1,5 +1,5 @@
 """Qwen3, Llama 3.x (3.2: tied), SmolLM3 (no-rope layers), Granite (its multipliers), Gemma 2 / 3,
-Phi-3 and Mistral with its sliding window against transformers
+Phi-3 / Phi-4 (Phi-4-mini: partial rotary) and Mistral with its sliding window against transformers
 on tiny random configs (fp32): prefill and step-by-step decode through the paged cache within
 1e-4 of transformers' logits, and speculative greedy output equal to transformers' `generate`.
 
@@ -66,6 +66,9 @@ def hf_config(arch: str):
                                 attention_multiplier=0.03, logits_scaling=3.0)
     if arch == "phi3":
         return tf.Phi3Config(**shape, sliding_window=5)
+    if arch == "phi4-mini":  # partial rotary (3/4 of each head) under longrope, tied embeddings
+        return tf.Phi3Config(**shape, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                             original_max_position_embeddings=64, rope_parameters=_longrope(12))
     if arch == "phi3-longrope":
         return tf.Phi3Config(**shape, original_max_position_embeddings=64, rope_parameters=_longrope(16))
     if arch == "mistral-window":
@@ -75,7 +78,7 @@ def hf_config(arch: str):
     raise AssertionError(arch)
 
 
-ARCHS = ["qwen3", "llama3", "llama32", "smollm3", "granite", "gemma2", "gemma3", "phi3", "phi3-longrope",
+ARCHS = ["qwen3", "llama3", "llama32", "smollm3", "granite", "gemma2", "gemma3", "phi3", "phi3-longrope", "phi4-mini",
          "mistral-window", "qwen2-window"]
 _MODELS: dict = {}
 
@@ -192,11 +195,20 @@ def test_what_we_do_not_run_is_refused_by_name(change, match):
         ModelConfig.from_hf(config)
 
 
-def test_partial_rotary_is_refused():
-    config = hf_config("phi3")
-    config.rope_parameters["partial_rotary_factor"] = 0.75
-    with pytest.raises(UnsupportedModelError, match="partial rotary"):
+def test_a_partial_rotary_of_no_even_width_is_refused():
+    config = hf_config("phi3")  # heads of 16: 0.7 of them is 11 dims, no whole pairs
+    config.rope_parameters["partial_rotary_factor"] = 0.7
+    with pytest.raises(UnsupportedModelError, match="rotary width of 11"):
         ModelConfig.from_hf(config)
+
+
+def test_partial_rotary_leaves_the_c_attention():
+    """The C attention turns whole heads: a Phi-4-mini layer takes the reference path."""
+    from specdec.target.model import Attention
+
+    config = ModelConfig.from_hf(hf_config("phi4-mini"))
+    assert config.rotary_dim == 12 and "partial rotary" in config.c_loop_differences()
+    assert not Attention(config).c_kernel_fits
 
 
 def test_llama_qwen2_and_plain_mistral_have_no_new_features():

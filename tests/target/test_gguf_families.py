@@ -201,7 +201,14 @@ def _tiny(kind: str, tokenizer):
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
-    if kind == "smollm3":  # llama.cpp's SmolLM3: every 4th layer without rope, as SmolLM3-3B
+    if kind == "phi4-mini":  # 3/4 of each head turned, under longrope (specdec: its short factors,
+        half = 6  # exact up to the original context, which caps the context: `config._max_positions`)
+        shape["original_max_position_embeddings"] = 64
+        rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64,
+                    partial_rotary_factor=0.75, short_factor=[1.0 + 0.1 * i for i in range(half)],
+                    long_factor=[2.0 + i for i in range(half)])
+        model = tf.Phi3ForCausalLM(tf.Phi3Config(**shape, rope_parameters=rope, tie_word_embeddings=True))
+    elif kind == "smollm3":  # llama.cpp's SmolLM3: every 4th layer without rope, as SmolLM3-3B
         model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**shape, no_rope_layer_interval=4, tie_word_embeddings=True))
     else:
         model = tf.GraniteForCausalLM(tf.GraniteConfig(**shape, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -212,24 +219,29 @@ def _tiny(kind: str, tokenizer):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["smollm3", "granite"])
-def test_llama_like_gguf_generates_as_transformers(tmp_path, kind):
-    """SmolLM3 and Granite GGUFs, which transformers' GGUF loader has no table for: read as llama's
-    keys plus what the family adds (no-rope layers, multipliers)."""
+@pytest.mark.parametrize("kind", ["smollm3", "granite", "phi4-mini"])
+def test_family_gguf_generates_as_transformers(tmp_path, kind):
+    """SmolLM3 and Granite GGUFs, which transformers' GGUF loader has no table for (read as llama's
+    keys plus what the family adds: no-rope layers, multipliers), and Phi-4-mini's partial rotary
+    and longrope factors, which its table leaves out."""
     tokenizer = build_tiny_tokenizer(chat_template=None)
     hf = _tiny(kind, tokenizer)
     path = tmp_path / f"tiny-{kind}.gguf"
     write_gguf(hf, path, tokenizer)
     config = json.loads((resolve_model(str(path), progress=False) / "config.json").read_text())
-    assert config["model_type"] == kind
-    if kind == "smollm3":
+    assert config["model_type"] == ("phi3" if kind == "phi4-mini" else kind)
+    if kind == "phi4-mini":
+        assert config["rope_parameters"]["partial_rotary_factor"] == 0.75
+        assert config["rope_parameters"]["long_factor"] == hf.config.rope_parameters["long_factor"]
+        assert config["rope_parameters"]["original_max_position_embeddings"] == 64
+    elif kind == "smollm3":
         assert config["no_rope_layers"] == [1, 1, 1, 0]
     else:
         assert (config["residual_multiplier"], config["logits_scaling"]) == (pytest.approx(0.22), 3.0)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for kw in (dict(proposer="none"), dict(draft=str(path), proposer="draft", num_speculative_tokens=3)):
         engine = Engine(EngineConfig(target=str(path), dtype="float32", num_blocks=64, block_size=4, **kw))
-        ids = [engine.encode(p) for p in LONG_PROMPTS]
+        ids = [engine.encode(p) for p in (PROMPTS if kind == "phi4-mini" else LONG_PROMPTS)]
         expected = [hf.generate(torch.tensor([i]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, len(i):].tolist()
                     for i in ids]
         assert [o.token_ids for o in engine.generate(ids, greedy)] == expected, kw
