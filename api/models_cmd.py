@@ -105,13 +105,15 @@ def run(args: argparse.Namespace) -> int:
 # architecture -> (family, what it adds, the GGUF architecture llama.cpp writes, or "" where specdec
 # reads only its HF folder)
 FAMILIES = {
-    "LlamaForCausalLM": ("Llama (incl. 3.x rope scaling)", "dense", "llama"),
+    "LlamaForCausalLM": ("Llama 2 / 3.x (rope scaling), 3.2 tied", "dense", "llama (rope_freqs read)"),
     "Qwen2ForCausalLM": ("Qwen2 / Qwen2.5", "dense, q/k/v bias", "qwen2"),
     "MistralForCausalLM": ("Mistral", "dense, sliding window", "llama"),
     "Qwen3ForCausalLM": ("Qwen3", "dense, q/k norms", "qwen3"),
     "Gemma2ForCausalLM": ("Gemma 2", "dense, soft-capping, sliding window", "gemma2"),
-    "Gemma3ForCausalLM": ("Gemma 3", "dense, local / global rope", "gemma3"),
-    "Phi3ForCausalLM": ("Phi-3 / 3.5", "dense, fused projections", "phi3"),
+    "Gemma3ForCausalLM": ("Gemma 3", "dense, local / global rope", "gemma3 (its text decoder)"),
+    "Phi3ForCausalLM": ("Phi-3 / 3.5 / 4 / 4-mini", "dense, fused projections, partial rotary", "phi3"),
+    "SmolLM3ForCausalLM": ("SmolLM3", "dense, no rope every 4th layer", "smollm3"),
+    "GraniteForCausalLM": ("Granite 3.x", "dense, multipliers", "granite"),
     "Qwen3MoeForCausalLM": ("Qwen3-MoE (30B-A3B, 235B-A22B)", "MoE: softmax, top k, renormalized", "qwen3moe"),
     "Qwen2MoeForCausalLM": ("Qwen2-MoE / Qwen1.5-MoE", "MoE + a shared expert (sigmoid gate)", "qwen2moe"),
     "MixtralForCausalLM": ("Mixtral", "MoE: top 2 of 8, renormalized", "llama (with experts)"),
