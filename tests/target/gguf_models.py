@@ -83,14 +83,11 @@ def spm_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def write_gguf(hf_model, path, tokenizer=None) -> None:
-    """`hf_model` as a GGUF file with `tokenizer` (a byte-level BPE, as Llama 3's), or without one
-    with `spm_vocab`'s vocabulary (Gemma's kind: the model's vocabulary must be its size), BOS
-    added as Gemma's and Llama's tokenizers add it."""
+def shape_writer(path, arch: str, cfg):
+    """A `GGUFWriter` of `arch` holding the shape keys every decoder's GGUF has (layers, widths,
+    heads, head size, norm eps), and the head size."""
     import gguf
 
-    cfg = hf_model.config
-    _, arch = _ARCH[cfg.model_type]
     writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_name(f"tiny {arch}")
     writer.add_block_count(cfg.num_hidden_layers)
@@ -103,6 +100,15 @@ def write_gguf(hf_model, path, tokenizer=None) -> None:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return writer, head_dim
+
+
+def write_gguf(hf_model, path, tokenizer=None) -> None:
+    """`hf_model` as a GGUF file with `tokenizer` (a byte-level BPE, as Llama 3's), or without one
+    with `spm_vocab`'s vocabulary (Gemma's kind: the model's vocabulary must be its size), BOS
+    added as Gemma's and Llama's tokenizers add it."""
+    cfg = hf_model.config
+    writer, head_dim = shape_writer(path, _ARCH[cfg.model_type][1], cfg)
     if cfg.model_type == "gemma3_text":
         writer.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
         writer.add_sliding_window(cfg.sliding_window)

@@ -109,21 +109,12 @@ def write_gguf(hf_model, path, tokenizer, expert_type: str = "F32") -> None:
 
     from tests.target.conftest import add_gguf_tokenizer
 
+    from tests.target.gguf_models import shape_writer
+
     cfg = hf_model.config
     arch = _GGUF_ARCH[cfg.model_type]
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_name(f"tiny {arch}")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    writer, head_dim = shape_writer(path, arch, cfg)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.model_type == "mixtral":
         writer.add_expert_count(cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
