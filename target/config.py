@@ -27,6 +27,7 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Glm4ForCausalLM": "glm4",
     # mixtures of experts (`MoEConfig`)
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
@@ -149,6 +150,9 @@ class ModelConfig:
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
     nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding at all (SmolLM3: every 4th); (): none
     rotary_dim: int | None = None  # dims of each head rope turns (the first ones); None: all (head_dim)
+    rope_pairs: bool = False  # GLM-4: rope turns pairs (0, 1), (2, 3), ... (GPT-J's order), not halves
+    glm_norms: bool = False  # GLM-4: the attention's and the MLP's outputs RMS-normalised before their adds
+    fused_gate_up: bool = False  # GLM-4: the checkpoint stores gate_up_proj fused (q/k/v apart)
     residual_scale: float | None = None  # Granite: each block's output times this before its residual add
     logit_divisor: float | None = None  # Granite: logits divided by `logits_scaling`
     moe: MoEConfig | None = None  # sparse MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek); None: dense
@@ -174,6 +178,8 @@ class ModelConfig:
             "whole-width q/k norms": self.qk_norm_full, "o_proj bias": self.o_bias,
             "q/k/v clipping": self.clip_qkv is not None, "multi-head latent attention": self.mla is not None,
             "no-rope layers": any(self.nope_layers), "partial rotary": self.rotary_dim is not None, "residual scale": self.residual_scale is not None,
+            "rope pairs": self.rope_pairs, "GLM norms": self.glm_norms,
+            "fused checkpoint gate_up": self.fused_gate_up,
         }
         return [name for name, present in features.items() if present]
 
@@ -187,7 +193,8 @@ class ModelConfig:
     def unquantized_reason(self) -> str | None:
         """Why this family runs unquantized by default (`family_quant`); None where the quantized
         path implements its layers."""
-        blocking = [d for d in self.llama_layer_differences() if d in ("Gemma norms", "fused checkpoint projections")]
+        blocking = [d for d in self.llama_layer_differences()
+                    if d in ("Gemma norms", "GLM norms", "fused checkpoint projections", "fused checkpoint gate_up")]
         if not blocking:
             return None
         return f"its {' and '.join(blocking)} differ from the Llama layers SmoothQuant and the fused kernels assume"
@@ -217,6 +224,7 @@ class ModelConfig:
             attention_bias = bool(getattr(hf_config, "qkv_bias", True))
         olmoe = model_type == "olmoe"
         granite = model_type == "granite"
+        glm = model_type == "glm4"
         gemma = model_type in GEMMA_TYPES
         hidden_act = getattr(hf_config, "hidden_activation", None) if gemma else None
         hidden_act = hidden_act or getattr(hf_config, "hidden_act", "silu")
@@ -257,6 +265,9 @@ class ModelConfig:
             clip_qkv=getattr(hf_config, "clip_qkv", None) if olmoe else None,
             nope_layers=tuple(not use for use in hf_config.no_rope_layers) if model_type == "smollm3" else (),
             rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+            rope_pairs=glm,
+            glm_norms=glm,
+            fused_gate_up=glm,
             residual_scale=hf_config.residual_multiplier if granite else None,
             logit_divisor=hf_config.logits_scaling if granite else None,
             moe=_moe_config(hf_config, model_type, num_layers),

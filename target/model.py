@@ -1,4 +1,4 @@
-"""One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, SmolLM3, Granite,
+"""One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, SmolLM3, Granite, GLM-4,
 the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, and DeepSeek-V2/V3) over flat,
 varlen token batches. A layer's blocks are chosen by the config: attention GQA (`Attention`) or
 multi-head latent (`mla.LatentAttention`), MLP dense (`MLP`) or sparse (`moe.SparseMoE`), per layer.
@@ -24,7 +24,7 @@ from specdec.target.config import ModelConfig
 from specdec.target.layers import RMSNorm, gelu_tanh, make_norm, normed, plus_linear
 from specdec.target.mla import LatentAttention
 from specdec.target.moe import SparseMoE
-from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope
+from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope, pairs_to_halves
 
 MAX_ROPE_POSITIONS = 32768
 log = logging.getLogger("specdec")
@@ -62,6 +62,7 @@ class Attention(nn.Module):
         self.k_norm = make_norm(config, hkv * d if self.norm_full else d) if config.qk_norm or self.norm_full else None
         self.clip = config.clip_qkv  # OLMoE: q, k, v clamped to [-clip, clip] after the norms
         self.partial_rotary = config.rotary_dim is not None  # the C attention turns whole heads
+        self.rope_pairs = config.rope_pairs  # GLM-4: pairs (0, 1), (2, 3), ... turn, not the two halves
 
     def fuse_projections(self, fuse) -> None:
         """Replace q/k/v by `fuse([q, k, v])`, one module computing all three (unless it is None)."""
@@ -106,7 +107,10 @@ class Attention(nn.Module):
         t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         k_cache, v_cache = kv_cache.layer(layer_idx)
         qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)  # rotate q and k together
-        q, k = apply_rope(qk.view(t, hq + hkv, d), cos, sin).split([hq, hkv], dim=1)
+        qk = qk.view(t, hq + hkv, d)
+        if self.rope_pairs:  # the same permutation of q's and k's dims leaves q . k as it was
+            qk = pairs_to_halves(qk, cos.shape[-1])
+        q, k = apply_rope(qk, cos, sin).split([hq, hkv], dim=1)
         write_kv(k, v.view(t, hkv, d), k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
         return paged_attention(
             q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale, self.window, self.softcap
@@ -116,7 +120,8 @@ class Attention(nn.Module):
     def c_kernel_fits(self) -> bool:
         """The C attention (`cpu_attention`) implements neither sliding windows, soft-capping,
         clipping nor partial rotary."""
-        return self.window is None and self.softcap is None and self.clip is None and not self.partial_rotary
+        return (self.window is None and self.softcap is None and self.clip is None and not self.partial_rotary
+                and not self.rope_pairs)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, (Hq + 2 Hkv) * D]
         """`qkv` with each head of q and k RMS-normalised (Qwen3, Gemma 3)."""
@@ -134,7 +139,7 @@ class MLP(nn.Module):
         super().__init__()
         hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections (or fused in the checkpoint)
-        if config.fused_checkpoint:
+        if config.fused_checkpoint or config.fused_gate_up:
             self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
             self.gate_proj = self.up_proj = None
         else:
@@ -178,12 +183,19 @@ class DecoderLayer(nn.Module):
         gemma = config.gemma_norms
         self.pre_feedforward_layernorm = make_norm(config, config.hidden_size) if gemma else None
         self.post_feedforward_layernorm = make_norm(config, config.hidden_size) if gemma else None
+        # GLM-4: the same two output norms under its own names (post_attention_layernorm stays the MLP's input norm)
+        self.post_self_attn_layernorm = make_norm(config, config.hidden_size) if config.glm_norms else None
+        self.post_mlp_layernorm = make_norm(config, config.hidden_size) if config.glm_norms else None
         self.residual_scale = config.residual_scale  # Granite: each block's output scaled before its add
 
     def forward(self, h, rotation, kv_cache, layer_idx, meta) -> torch.Tensor:
         if (scale := self.residual_scale) is not None:
             h = h + self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm) * scale
             return h + self.mlp(h, norm=self.post_attention_layernorm) * scale
+        if self.post_self_attn_layernorm is not None:
+            attn = self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm)
+            h = h + self.post_self_attn_layernorm(attn)
+            return h + self.post_mlp_layernorm(self.mlp(h, norm=self.post_attention_layernorm))
         if self.pre_feedforward_layernorm is not None:
             attn = self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm)
             h = h + self.post_attention_layernorm(attn)

@@ -140,6 +140,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + swapped * signed_sin
 
 
+def pairs_to_halves(x: torch.Tensor, rotary: int) -> torch.Tensor:
+    """`x [.., D]` with its first `rotary` dims reordered from pairs `(x0, x1), (x2, x3), ...` (the
+    order GLM-4 and GPT-J turn) to halves `(x0, x2, ..) | (x1, x3, ..)` (neox's, which `apply_rope`
+    turns): the same rotation, of dims permuted alike in q and k, so attention scores are unchanged."""
+    head, rest = x[..., :rotary], x[..., rotary:]
+    return torch.cat([head[..., 0::2], head[..., 1::2], rest], dim=-1)
+
+
 def partial_rotary_factor(hf_config: Any) -> float:
     """The share of each head that rope turns (1.0: all of it; Phi-4-mini 0.75)."""
     params = rope_parameters(hf_config, "full_attention" if layer_typed(hf_config) else None)

@@ -1,4 +1,4 @@
-"""Qwen3, Llama 3.x (3.2: tied), SmolLM3 (no-rope layers), Granite (its multipliers), Gemma 2 / 3,
+"""Qwen3, Llama 3.x (3.2: tied), SmolLM3 (no-rope layers), Granite (its multipliers), GLM-4 (pairwise partial rope, sandwich norms), Gemma 2 / 3,
 Phi-3 / Phi-4 (Phi-4-mini: partial rotary) and Mistral with its sliding window against transformers
 on tiny random configs (fp32): prefill and step-by-step decode through the paged cache within
 1e-4 of transformers' logits, and speculative greedy output equal to transformers' `generate`.
@@ -64,6 +64,8 @@ def hf_config(arch: str):
     if arch == "granite":  # multipliers away from 1, as Granite 3.x's are
         return tf.GraniteConfig(**shape, embedding_multiplier=12.0, residual_multiplier=0.22,
                                 attention_multiplier=0.03, logits_scaling=3.0)
+    if arch == "glm4":  # rope on pairs of the first half of each head, q/k/v biases, sandwich norms
+        return tf.Glm4Config(**shape, head_dim=16)
     if arch == "phi3":
         return tf.Phi3Config(**shape, sliding_window=5)
     if arch == "phi4-mini":  # partial rotary (3/4 of each head) under longrope, tied embeddings
@@ -78,7 +80,7 @@ def hf_config(arch: str):
     raise AssertionError(arch)
 
 
-ARCHS = ["qwen3", "llama3", "llama32", "smollm3", "granite", "gemma2", "gemma3", "phi3", "phi3-longrope", "phi4-mini",
+ARCHS = ["qwen3", "llama3", "llama32", "smollm3", "granite", "glm4", "gemma2", "gemma3", "phi3", "phi3-longrope", "phi4-mini",
          "mistral-window", "qwen2-window"]
 _MODELS: dict = {}
 
