@@ -114,6 +114,7 @@ FAMILIES = {
     "Phi3ForCausalLM": ("Phi-3 / 3.5 / 4 / 4-mini", "dense, fused projections, partial rotary", "phi3"),
     "SmolLM3ForCausalLM": ("SmolLM3", "dense, no rope every 4th layer", "smollm3"),
     "GraniteForCausalLM": ("Granite 3.x", "dense, multipliers", "granite"),
+    "Glm4ForCausalLM": ("GLM-4 (0414)", "dense, partial rotary in pairs, sandwich norms", "glm4"),
     "Qwen3MoeForCausalLM": ("Qwen3-MoE (30B-A3B, 235B-A22B)", "MoE: softmax, top k, renormalized", "qwen3moe"),
     "Qwen2MoeForCausalLM": ("Qwen2-MoE / Qwen1.5-MoE", "MoE + a shared expert (sigmoid gate)", "qwen2moe"),
     "MixtralForCausalLM": ("Mixtral", "MoE: top 2 of 8, renormalized", "llama (with experts)"),

@@ -35,6 +35,7 @@ FAMILIES = {
                                          original_max_position_embeddings=256,
                                          short_factor=[1.0 + 0.05 * i for i in range(24)],
                                          long_factor=[2.0 + i for i in range(24)]))),
+    "glm4": ("Glm4Config", dict(attention_bias=True)),  # half of each 64-wide head turned, in pairs
 }
 # llama-perplexity's context per family: longrope keeps its short factors up to its original context
 CTX = {"phi4-mini": 256}
@@ -46,6 +47,11 @@ def make_model(family: str, tokenizer, out: Path, seed: int = 0) -> Path:
     import transformers as tf
 
     cls, extra = FAMILIES[family]
+    if family == "glm4":  # llama.cpp's GLM-4 converter sets its end-of-turn token from this one
+        import copy
+
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>"]})
     shape = dict(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tokenizer.eos_token_id)

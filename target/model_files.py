@@ -319,7 +319,7 @@ def gguf_config(gguf: GGUFFile):
     model_type = config.pop("model_type")
     if arch in _GGUF_LLAMA_LIKE:
         model_type = _GGUF_LLAMA_LIKE[arch][1]
-        config.update(_llama_like_extras(arch, meta))
+        config.update(_llama_like_extras(arch, gguf, config))
     if mixtral:
         model_type = "mixtral"
         config.update(num_local_experts=meta["llama.expert_count"], num_experts_per_tok=meta["llama.expert_used_count"])
@@ -335,14 +335,23 @@ def gguf_config(gguf: GGUFFile):
 
 # llama.cpp architectures written as llama's (keys, q/k row order) that transformers has no GGUF
 # table for -> (the table read, transformers' model type); `_llama_like_extras` adds the rest
-_GGUF_LLAMA_LIKE = {"smollm3": ("llama", "smollm3"), "granite": ("llama", "granite")}
+_GGUF_LLAMA_LIKE = {"smollm3": ("llama", "smollm3"), "granite": ("llama", "granite"), "glm4": ("llama", "glm4")}
 
 
-def _llama_like_extras(arch: str, meta: dict) -> dict:
+def _llama_like_extras(arch: str, gguf: GGUFFile, config: dict) -> dict:
     """What a llama-like family adds to llama's keys: SmolLM3's layers without rope (llama.cpp
-    stores no key: every 4th layer, its `n_no_rope_layer_step`), Granite's four multipliers."""
+    stores no key: every 4th layer, its `n_no_rope_layer_step`), Granite's four multipliers,
+    GLM-4's rotary width (`rope.dimension_count`, which llama's table reads as the head size: half
+    of it for GLM-4) and its q/k/v biases (present as tensors, no key)."""
+    meta = gguf.metadata
     if arch == "smollm3":
         return {"no_rope_layer_interval": 4, "no_rope_layers": None}
+    if arch == "glm4":
+        head_dim = meta.get("glm4.attention.key_length") or config["hidden_size"] // config["num_attention_heads"]
+        rotary = meta.get("glm4.rope.dimension_count", head_dim // 2)
+        rope = {"rope_type": "default", "rope_theta": float(config.get("rope_theta", 10000.0)),
+                "partial_rotary_factor": rotary / head_dim}
+        return {"head_dim": head_dim, "rope_parameters": rope, "attention_bias": "blk.0.attn_q.bias" in gguf.tensors}
     keys = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
             "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
     return {name: float(meta[f"{arch}.{key}"]) for key, name in keys.items() if f"{arch}.{key}" in meta}
@@ -413,7 +422,7 @@ _GGUF_MOE_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
 
 
 # architectures transformers reads no GGUF tokenizer of -> one whose tokenizer reading serves
-_TOKENIZER_STAND_IN = {"deepseek2": "qwen2", "smollm3": "llama", "granite": "llama"}
+_TOKENIZER_STAND_IN = {"deepseek2": "qwen2", "smollm3": "llama", "granite": "llama", "glm4": "llama"}
 
 
 def _deepseek2_config(gguf: GGUFFile):

@@ -209,7 +209,7 @@ def _load_dense(model_dir: Path, dtype: torch.dtype, device, part: LoadPart | No
 def _finish(model: LlamaForCausalLM, device) -> LlamaForCausalLM:
     """Rebuild the (non-persistent) rope tables on a real device; eval mode."""
     config = model.config
-    model.rotary = model.rotary.__class__(config.hf_config, config.head_dim, model.max_positions)
+    model.rotary = model.rotary.__class__(config.hf_config, config.rotary_dim or config.head_dim, model.max_positions)
     return model.to(device).eval()
 
 

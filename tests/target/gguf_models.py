@@ -12,7 +12,8 @@ import numpy as np
 
 # transformers model type -> (gguf-py's architecture, its GGUF name)
 _ARCH = {"gemma3_text": ("GEMMA3", "gemma3"), "llama": ("LLAMA", "llama"), "smollm3": ("SMOLLM3", "smollm3"),
-         "granite": ("GRANITE", "granite"), "phi3": ("PHI3", "phi3")}
+         "granite": ("GRANITE", "granite"), "phi3": ("PHI3", "phi3"),
+         "glm4": ("GLM4", "glm4")}
 _PERMUTED = ("llama", "smollm3", "granite")  # llama.cpp's LlamaModel and its subclasses permute q/k
 
 
@@ -114,8 +115,10 @@ def write_gguf(hf_model, path, tokenizer=None) -> None:
         writer.add_sliding_window(cfg.sliding_window)
     else:
         writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-        if cfg.model_type != "phi3":
+        if cfg.model_type not in ("phi3", "glm4"):
             writer.add_rope_dimension_count(head_dim)
+    if cfg.model_type == "glm4":  # its converter: the rotary width, q/k rows as stored (not permuted)
+        writer.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 0.5)))
     if cfg.model_type == "phi3":  # its converter: the rotary width, the original context, no window (0)
         rope = cfg.rope_parameters
         writer.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * head_dim))

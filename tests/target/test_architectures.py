@@ -161,10 +161,11 @@ def test_speculative_greedy_equals_transformers_generate(arch):
         assert out == ref
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3", "glm4"])
 def test_hf_folder_loads_as_transformers_saved_it(tmp_path, arch):
     """`save_pretrained` and our safetensors loader: names as they are (Phi-3's fused ones too),
-    tied Gemma heads, both of Gemma 3's rope tables rebuilt off the meta device."""
+    tied Gemma heads, both of Gemma 3's rope tables rebuilt off the meta device (GLM-4's of its
+    rotary width, not the head's)."""
     from specdec.target.model_weights import load_model
 
     hf = hf_model(arch)

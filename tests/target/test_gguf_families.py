@@ -210,6 +210,8 @@ def _tiny(kind: str, tokenizer):
         model = tf.Phi3ForCausalLM(tf.Phi3Config(**shape, rope_parameters=rope, tie_word_embeddings=True))
     elif kind == "smollm3":  # llama.cpp's SmolLM3: every 4th layer without rope, as SmolLM3-3B
         model = tf.SmolLM3ForCausalLM(tf.SmolLM3Config(**shape, no_rope_layer_interval=4, tie_word_embeddings=True))
+    elif kind == "glm4":  # half of each head turned, in interleaved pairs; q/k/v biases; sandwich norms
+        model = tf.Glm4ForCausalLM(tf.Glm4Config(**shape, head_dim=16, attention_bias=True))
     else:
         model = tf.GraniteForCausalLM(tf.GraniteConfig(**shape, embedding_multiplier=12.0, residual_multiplier=0.22,
                                                        attention_multiplier=0.03, logits_scaling=3.0))
@@ -219,10 +221,10 @@ def _tiny(kind: str, tokenizer):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["smollm3", "granite", "phi4-mini"])
+@pytest.mark.parametrize("kind", ["smollm3", "granite", "phi4-mini", "glm4"])
 def test_family_gguf_generates_as_transformers(tmp_path, kind):
-    """SmolLM3 and Granite GGUFs, which transformers' GGUF loader has no table for (read as llama's
-    keys plus what the family adds: no-rope layers, multipliers), and Phi-4-mini's partial rotary
+    """SmolLM3, Granite and GLM-4 GGUFs, which transformers' GGUF loader has no table for (read as llama's
+    keys plus what the family adds: no-rope layers, multipliers, GLM-4's rotary width and biases), and Phi-4-mini's partial rotary
     and longrope factors, which its table leaves out."""
     tokenizer = build_tiny_tokenizer(chat_template=None)
     hf = _tiny(kind, tokenizer)
@@ -236,6 +238,9 @@ def test_family_gguf_generates_as_transformers(tmp_path, kind):
         assert config["rope_parameters"]["original_max_position_embeddings"] == 64
     elif kind == "smollm3":
         assert config["no_rope_layers"] == [1, 1, 1, 0]
+    elif kind == "glm4":
+        assert (config["head_dim"], config["rope_parameters"]["partial_rotary_factor"]) == (16, 0.5)
+        assert config["attention_bias"] is True
     else:
         assert (config["residual_multiplier"], config["logits_scaling"]) == (pytest.approx(0.22), 3.0)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
