@@ -62,6 +62,7 @@ def paged_attention(
     v_scale: float = 1.0,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, D]
     """Varlen causal attention over the paged cache, by `meta.backend`: "triton" the Triton kernel
     (CUDA, or the CPU under TRITON_INTERPRET=1), "torch" and "c" the reference, "auto" the Triton
@@ -71,10 +72,11 @@ def paged_attention(
     Query ``i`` of sequence ``b`` sits at position ``p = seq_len_b - query_len_b + i`` and attends
     to keys ``0..p`` (causal within the window, full over the cached prefix); with a sliding
     ``window`` only to keys in ``(p - window, p]``. ``softcap`` caps the scaled scores at
-    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2).
+    ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2). ``sinks`` (gpt-oss) adds
+    ``exp(sinks[h])`` to each softmax's denominator of head ``h``: a key of that score and no value.
     """
-    if v_cache.shape[-1] != k_cache.shape[-1]:  # a latent cache's values: the reference only
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
+    if v_cache.shape[-1] != k_cache.shape[-1] or sinks is not None:  # a latent cache's values, sinks: the reference
+        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
     if meta.backend == "triton" or (meta.backend == "auto" and query.is_cuda and triton_available()):
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
     return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
@@ -98,6 +100,7 @@ def paged_attention_ref(
     v_scale: float = 1.0,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [T, Hq, Dv]
     """Torch reference of ``paged_attention``: padded, batched SDPA over gathered blocks.
 
@@ -113,12 +116,13 @@ def paged_attention_ref(
 
     Example: seq_len 7, query_len 3 -> queries sit at positions 4, 5, 6 and see keys 0..4,
     0..5 and 0..6; with window 2, keys 3..4, 4..5 and 5..6. A window adds a lower bound to the
-    mask; soft-capping computes the scores itself (SDPA has no hook for it), in the folded layout.
+    mask; soft-capping and sinks compute the scores themselves (SDPA has no hook for either), in
+    the folded layout.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     _check_heads(num_q_heads, num_kv_heads)
-    capped = softcap is not None
+    capped = softcap is not None or sinks is not None  # scores computed here, not by SDPA
     key = ("ref", query.element_size(), num_q_heads, num_kv_heads, head_dim, k_cache.shape[1], window, capped)
     chunks = meta.scratch.get(key)
     if chunks is None:
@@ -132,7 +136,7 @@ def paged_attention_ref(
     for c in chunks:
         keys = _gather_kv(k_cache, c, k_scale, query.dtype)  # [b, Hkv, max_kv, D]
         values = _gather_kv(v_cache, c, v_scale, query.dtype)
-        outs.append(_attend(query[row : row + c.num_rows], keys, values, c, scale, softcap))
+        outs.append(_attend(query[row : row + c.num_rows], keys, values, c, scale, softcap, sinks))
         row += c.num_rows
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -206,6 +210,7 @@ def _attend(
     chunk: _Chunk,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [t, Hq, D]
     """One padded SDPA call for a chunk of sequences whose KV is already gathered."""
     _, num_q_heads, head_dim = query.shape
@@ -217,7 +222,7 @@ def _attend(
         padded = padded.view(batch, max_q, num_q_heads, head_dim)  # [b, max_q, Hq, D]
 
     if chunk.folded:
-        out = _sdpa_folded(padded, keys, values, chunk.mask, scale, softcap)
+        out = _sdpa_folded(padded, keys, values, chunk.mask, scale, softcap, sinks)
     else:
         q = padded.transpose(1, 2)  # [b, Hq, max_q, D]
         out = F.scaled_dot_product_attention(
@@ -234,6 +239,7 @@ def _sdpa_folded(
     mask: torch.Tensor | None,  # [b, 1, G * max_q, max_kv] bool
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [b, max_q, Hq, D]
     """SDPA with the G query heads of each KV head folded into the query axis (no KV repeat)."""
     batch, max_q, num_q_heads, head_dim = padded.shape
@@ -242,29 +248,38 @@ def _sdpa_folded(
     # row g * max_q + i of KV head h is query i of head h * G + g
     q = padded.view(batch, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(batch, num_kv_heads, group * max_q, head_dim)
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
-    else:
-        out = _softcapped_attention(q, keys, values, mask, scale, softcap)
+    else:  # row g * max_q + i of KV head h: head h * G + g's sink
+        row_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1).expand(-1, -1, max_q).reshape(
+            1, num_kv_heads, group * max_q, 1)
+        out = _explicit_attention(q, keys, values, mask, scale, softcap, row_sinks)
     out = out.view(batch, num_kv_heads, group, max_q, values.shape[-1]).permute(0, 3, 1, 2, 4)
     return out.reshape(batch, max_q, num_q_heads, values.shape[-1])
 
 
-def _softcapped_attention(
+def _explicit_attention(
     q: torch.Tensor,  # [b, Hkv, R, D]
     keys: torch.Tensor,  # [b, Hkv, max_kv, D]
     values: torch.Tensor,  # [b, Hkv, max_kv, D]
     mask: torch.Tensor | None,  # [b, 1, R, max_kv] bool
     scale: float,
-    softcap: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,  # [1, Hkv, R, 1]: each row's sink logit
 ) -> torch.Tensor:  # [b, Hkv, R, D]
-    """Attention with scores capped at `softcap * tanh(score / softcap)`, in transformers' order
-    (scale, cap, mask, softmax in fp32)."""
+    """Attention with scores capped at `softcap * tanh(score / softcap)` and / or a sink column
+    joining the softmax and dropped after it, in transformers' order (scale, cap, mask, sink,
+    softmax in fp32)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, Hkv, R, max_kv]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    else:
+        scores = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = scores.softmax(-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     return torch.matmul(probs, values)
 
 

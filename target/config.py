@@ -33,12 +33,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
     # multi-head latent attention (`MLAConfig`) over mixtures of experts
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 MLA_TYPES = ("deepseek_v2", "deepseek_v3")
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", *MLA_TYPES)
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", *MLA_TYPES)
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Multimodal configs whose text model we run (the image tower is not loaded).
 TEXT_OF_MULTIMODAL = ("gemma3",)
@@ -74,6 +75,10 @@ class MoEConfig:
     group_score: str = "max"  # a group's score: its best expert ("max", V2) or its best two summed ("top2", V3)
     routed_scaling: float = 1.0  # DeepSeek: the routed experts' weights times this
     fp32_router: bool = False  # DeepSeek: the router's product in fp32 whatever the model dtype
+    router_bias: bool = False  # gpt-oss: the router's scores have a bias (it chooses and weighs)
+    expert_bias: bool = False  # gpt-oss: each expert's gate, up and down projections have biases
+    swiglu_limit: float | None = None  # gpt-oss: gate clamped above, up to +-limit; (up + 1) * gate * sigmoid(alpha gate)
+    swiglu_alpha: float = 1.702
 
     def is_sparse(self, layer_idx: int) -> bool:
         return self.sparse_layers[layer_idx] if self.sparse_layers else True
@@ -82,7 +87,13 @@ class MoEConfig:
     def plain_routing(self) -> bool:
         """Softmax, the top k of every expert, weights unscaled: what the C expert kernel routes
         (its router product is fp32 whatever the weights' dtype, as `fp32_router` asks)."""
-        return self.scoring == "softmax" and not self.score_bias and self.num_groups == 1 and self.routed_scaling == 1.0
+        return (self.scoring == "softmax" and not self.score_bias and self.num_groups == 1 and self.routed_scaling == 1.0
+                and not self.router_bias)
+
+    @property
+    def plain_experts(self) -> bool:
+        """SiLU-GLU experts without biases: what the C expert kernel computes."""
+        return not self.expert_bias and self.swiglu_limit is None
 
 
 @dataclass(frozen=True)
@@ -146,7 +157,8 @@ class ModelConfig:
     local_rope_layers: tuple[bool, ...] = ()  # per layer: rope of the "sliding_attention" type (Gemma 3)
     fused_checkpoint: bool = False  # Phi-3: the checkpoint stores qkv_proj and gate_up_proj fused
     qk_norm_full: bool = False  # OLMoE: q and k RMS-normalised over all their heads at once (not per head)
-    o_bias: bool = False  # OLMoE with attention_bias: o_proj has a bias too
+    o_bias: bool = False  # OLMoE with attention_bias, gpt-oss: o_proj has a bias too
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each softmax (`self_attn.sinks`)
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
     nope_layers: tuple[bool, ...] = ()  # per layer: no rotary embedding at all (SmolLM3: every 4th); (): none
     rotary_dim: int | None = None  # dims of each head rope turns (the first ones); None: all (head_dim)
@@ -179,7 +191,7 @@ class ModelConfig:
             "q/k/v clipping": self.clip_qkv is not None, "multi-head latent attention": self.mla is not None,
             "no-rope layers": any(self.nope_layers), "partial rotary": self.rotary_dim is not None, "residual scale": self.residual_scale is not None,
             "rope pairs": self.rope_pairs, "GLM norms": self.glm_norms,
-            "fused checkpoint gate_up": self.fused_gate_up,
+            "fused checkpoint gate_up": self.fused_gate_up, "attention sinks": self.attention_sinks,
         }
         return [name for name, present in features.items() if present]
 
@@ -225,6 +237,7 @@ class ModelConfig:
         olmoe = model_type == "olmoe"
         granite = model_type == "granite"
         glm = model_type == "glm4"
+        gpt_oss = model_type == "gpt_oss"
         gemma = model_type in GEMMA_TYPES
         hidden_act = getattr(hf_config, "hidden_activation", None) if gemma else None
         hidden_act = hidden_act or getattr(hf_config, "hidden_act", "silu")
@@ -261,7 +274,8 @@ class ModelConfig:
             local_rope_layers=_local_rope_layers(hf_config, num_layers),
             fused_checkpoint=model_type == "phi3",
             qk_norm_full=olmoe,
-            o_bias=olmoe and attention_bias,
+            o_bias=(olmoe or gpt_oss) and attention_bias,
+            attention_sinks=gpt_oss,
             clip_qkv=getattr(hf_config, "clip_qkv", None) if olmoe else None,
             nope_layers=tuple(not use for use in hf_config.no_rope_layers) if model_type == "smollm3" else (),
             rotary_dim=rotary_dim if rotary_dim < head_dim else None,
@@ -308,11 +322,15 @@ def _moe_config(hf_config: Any, model_type: str, num_layers: int) -> MoEConfig |
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     if model_type in MLA_TYPES:
         return _deepseek_moe(hf_config, model_type, num_experts, top_k, num_layers)
+    gpt_oss = model_type == "gpt_oss"  # top k of the biased logits, softmax over them: renormalized
     return MoEConfig(
         num_experts=num_experts,
         top_k=top_k,
         expert_size=getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size,
-        norm_topk=model_type == "mixtral" or bool(getattr(hf_config, "norm_topk_prob", False)),
+        norm_topk=model_type == "mixtral" or gpt_oss or bool(getattr(hf_config, "norm_topk_prob", False)),
+        router_bias=gpt_oss, expert_bias=gpt_oss,
+        swiglu_limit=float(hf_config.swiglu_limit) if gpt_oss else None,
+        swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
         shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0,
         sparse_layers=sparse,
     )

@@ -1,5 +1,5 @@
 """One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, SmolLM3, Granite, GLM-4,
-the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, and DeepSeek-V2/V3) over flat,
+the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss, and DeepSeek-V2/V3) over flat,
 varlen token batches. A layer's blocks are chosen by the config: attention GQA (`Attention`) or
 multi-head latent (`mla.LatentAttention`), MLP dense (`MLP`) or sparse (`moe.SparseMoE`), per layer.
 
@@ -63,6 +63,8 @@ class Attention(nn.Module):
         self.clip = config.clip_qkv  # OLMoE: q, k, v clamped to [-clip, clip] after the norms
         self.partial_rotary = config.rotary_dim is not None  # the C attention turns whole heads
         self.rope_pairs = config.rope_pairs  # GLM-4: pairs (0, 1), (2, 3), ... turn, not the two halves
+        # gpt-oss: per head, a logit with no value joins the softmax (attention may go nowhere)
+        self.sinks = nn.Parameter(torch.zeros(hq)) if config.attention_sinks else None
 
     def fuse_projections(self, fuse) -> None:
         """Replace q/k/v by `fuse([q, k, v])`, one module computing all three (unless it is None)."""
@@ -113,15 +115,16 @@ class Attention(nn.Module):
         q, k = apply_rope(qk, cos, sin).split([hq, hkv], dim=1)
         write_kv(k, v.view(t, hkv, d), k_cache, v_cache, meta.slot_mapping, kv_cache.k_scale, kv_cache.v_scale)
         return paged_attention(
-            q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale, self.window, self.softcap
+            q, k_cache, v_cache, meta, self.scale, kv_cache.k_scale, kv_cache.v_scale, self.window, self.softcap,
+            self.sinks,
         ).reshape(t, hq * d)
 
     @property
     def c_kernel_fits(self) -> bool:
         """The C attention (`cpu_attention`) implements neither sliding windows, soft-capping,
-        clipping nor partial rotary."""
+        clipping, partial rotary nor sinks."""
         return (self.window is None and self.softcap is None and self.clip is None and not self.partial_rotary
-                and not self.rope_pairs)
+                and not self.rope_pairs and self.sinks is None)
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, (Hq + 2 Hkv) * D]
         """`qkv` with each head of q and k RMS-normalised (Qwen3, Gemma 3)."""
@@ -135,18 +138,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None, expert: bool = False) -> None:
         super().__init__()
         hidden, inter = config.hidden_size, intermediate_size or config.intermediate_size
+        moe = config.moe if expert else None  # an expert of it: gpt-oss's have biases and a clamped SwiGLU
+        bias = moe is not None and moe.expert_bias
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections (or fused in the checkpoint)
         if config.fused_checkpoint or config.fused_gate_up:
             self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
             self.gate_proj = self.up_proj = None
         else:
-            self.gate_proj = nn.Linear(hidden, inter, bias=False)
-            self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+            self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+            self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
         self.act = None if config.hidden_act == "silu" else gelu_tanh  # None: SiLU, fused where it can
+        self.limit, self.alpha = (None, 1.0) if moe is None else (moe.swiglu_limit, moe.swiglu_alpha)
 
     def fuse_projections(self, fuse) -> None:
         """Replace gate/up by `fuse([gate, up])`, one module computing both (unless it is None)."""
@@ -165,9 +171,12 @@ class MLP(nn.Module):
         else:
             x = x if norm is None else norm(x)
             gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], -1)
-        if self.act is None:
+        if self.act is None and self.limit is None:
             return plus_linear(residual, self.down_proj, gate_up, glu=True)
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.limit is not None:  # gpt-oss: transformers' `GptOssExperts._apply_gate`
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return plus_linear(residual, self.down_proj, (up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
         return plus_linear(residual, self.down_proj, self.act(gate) * up)
 
 

@@ -3,7 +3,8 @@ DeepSeek-V2/V3).
 
 A router (`gate`, kept dense) scores every expert per token; the top k experts, each a SiLU-GLU
 MLP (`experts[e]`, the dense `MLP` with the expert's width), run on just the rows that chose them,
-and their outputs are summed with the router weights. Qwen2-MoE adds a shared expert on every
+and their outputs are summed with the router weights. gpt-oss's router and experts have biases,
+and its experts clamp their SwiGLU (`MoEConfig.swiglu_limit`; checkpoints interleave gate and up). Qwen2-MoE adds a shared expert on every
 row, scaled by `sigmoid(shared_expert_gate(x))`; DeepSeek's shared experts (one MLP as wide as
 all of them, `shared_experts` in its checkpoints) are added unscaled. DeepSeek's routing variants
 (groups, sigmoid scores with a choosing bias, a scale) are `MoEConfig`'s fields.
@@ -45,8 +46,8 @@ class Router(nn.Linear):
 
     keep_dense = True
 
-    def __init__(self, hidden: int, num_experts: int, score_bias: bool = False) -> None:
-        super().__init__(hidden, num_experts, bias=False)
+    def __init__(self, hidden: int, num_experts: int, score_bias: bool = False, bias: bool = False) -> None:
+        super().__init__(hidden, num_experts, bias=bias)  # bias: gpt-oss's, added to the logits
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False) if score_bias else None
 
     def _apply(self, fn, *args, **kwargs):  # the bias stays fp32, unrounded (it decides near-ties)
@@ -65,8 +66,8 @@ class SparseMoE(nn.Module):
         assert moe is not None
         self.num_experts, self.top_k, self.norm_topk = moe.num_experts, moe.top_k, moe.norm_topk
         self.routing = moe
-        self.gate = Router(config.hidden_size, moe.num_experts, moe.score_bias)
-        self.experts = nn.ModuleList(mlp_class(config, moe.expert_size) for _ in range(moe.num_experts))
+        self.gate = Router(config.hidden_size, moe.num_experts, moe.score_bias, moe.router_bias)
+        self.experts = nn.ModuleList(mlp_class(config, moe.expert_size, expert=True) for _ in range(moe.num_experts))
         self.shared_expert = mlp_class(config, moe.shared_expert_size) if moe.shared_expert_size else None
         gated = moe.shared_expert_size and moe.shared_expert_gated
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if gated else None
@@ -86,7 +87,7 @@ class SparseMoE(nn.Module):
         variants as `MoEConfig` describes them."""
         moe = self.routing
         if moe.fp32_router:
-            logits = F.linear(x.float(), self.gate.weight.float())
+            logits = F.linear(x.float(), self.gate.weight.float(), None if self.gate.bias is None else self.gate.bias.float())
         else:
             logits = self.gate(x)
         scores = logits.float().sigmoid() if moe.scoring == "sigmoid" else F.softmax(logits, dim=-1, dtype=torch.float32)
@@ -131,27 +132,37 @@ class SparseMoE(nn.Module):
         return out if residual is None else residual + out
 
 
-_STACKED = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+_ROUTER = re.compile(r"(?P<layer>.*\.mlp)\.router\.(?P<kind>weight|bias)$")
 
 
 def split_stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with transformers' stacked experts (`mlp.experts.gate_up_proj [E, 2I, H]`,
     `mlp.experts.down_proj [E, H, I]`) split into per-expert linears, as checkpoints store them.
+    gpt-oss's (told by their biases) are stored transposed (`[E, H, 2I]`, `[E, I, H]`) with gate
+    and up interleaved, and its router is `mlp.router` (ours: `mlp.gate`).
 
         >>> split_stacked_experts({"m.mlp.experts.down_proj": torch.zeros(2, 4, 3)}).keys()
         dict_keys(['m.mlp.experts.0.down_proj.weight', 'm.mlp.experts.1.down_proj.weight'])
     """
     out = {}
     for name, tensor in state.items():
+        if r := _ROUTER.fullmatch(name):
+            out[f"{r['layer']}.gate.{r['kind']}"] = tensor
+            continue
         m = _STACKED.fullmatch(name)
         if m is None:
             out[name] = tensor
             continue
+        transposed = f"{m['prefix']}.gate_up_proj_bias" in state  # gpt-oss
+        kind = "bias" if m["bias"] else "weight"
         for e, w in enumerate(tensor):
+            if transposed and not m["bias"]:
+                w = w.T
             if m["kind"] == "down_proj":
-                out[f"{m['prefix']}.{e}.down_proj.weight"] = w
-            else:
-                gate, up = w.chunk(2, dim=0)
-                out[f"{m['prefix']}.{e}.gate_proj.weight"] = gate
-                out[f"{m['prefix']}.{e}.up_proj.weight"] = up
+                out[f"{m['prefix']}.{e}.down_proj.{kind}"] = w
+                continue
+            gate, up = (w[0::2], w[1::2]) if transposed else w.chunk(2, dim=0)
+            out[f"{m['prefix']}.{e}.gate_proj.{kind}"] = gate.contiguous()
+            out[f"{m['prefix']}.{e}.up_proj.{kind}"] = up.contiguous()
     return out

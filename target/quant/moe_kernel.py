@@ -70,10 +70,10 @@ class NativeMoE:
     def fits(block: nn.Module) -> bool:
         """Every expert (and the shared one) a fused gate|up `QLinear` and a down `QLinear`, the
         router dense in bf16 or fp32 routing as the kernel does (`MoEConfig.plain_routing`), and
-        the hidden size a multiple of 32."""
+        the hidden size a multiple of 32; experts without biases or gpt-oss's clamp (`plain_experts`)."""
         mlps = [*block.experts, *([block.shared_expert] if block.shared_expert is not None else [])]
         return (
-            block.routing.plain_routing
+            block.routing.plain_routing and block.routing.plain_experts
             and all(isinstance(getattr(m, "gate_up_proj", None), QLinear) and isinstance(m.down_proj, QLinear) for m in mlps)
             and type(block.gate) is not QLinear
             and block.gate.weight.dtype in DENSE
