@@ -25,6 +25,7 @@ from specdec.api.engine_loop import EngineDeadError, EngineInfo, GenerationReque
 from specdec.api.errors import APIError, error_body
 from specdec.api.logprobs import TokenTexts
 from specdec.api.protocol import ChatFormat, ChoiceOutput, CompletionFormat, ResponseFormat, Usage
+from specdec.api.reasoning import parses_reasoning, starts_in_reasoning
 from specdec.api.schemas import (
     ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields,
 )
@@ -44,10 +45,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     state.check_model(body.model)
     tool_use = body.tool_use
     tool_grammar = state.tool_grammar(tool_use)
-    prompt_ids = state.chat_prompt_ids([m.as_template_dict() for m in body.messages],
-                                       tools=tool_use.template_tools())
+    messages = [m.as_template_dict() for m in body.messages]
+    tools, variables = tool_use.template_tools(), body.template_variables()
+    prompt_ids = state.chat_prompt_ids(messages, tools=tools, variables=variables)
+    reasoning = _parses_reasoning(state, body)
+    starts = reasoning and starts_in_reasoning(state.settings.reasoning_parser,
+                                               state.chat_prompt_text(messages, tools, variables))
     fmt = ChatFormat(state.settings.model_name, body.include_usage, body.num_choices, _token_texts(state, body),
-                     parse_tool_calls=tool_use.active)
+                     parse_tool_calls=tool_use.active, parse_reasoning=reasoning, starts_in_reasoning=starts)
     return await _generate(request, state, body, prompt_ids, fmt, "messages", tool_grammar)
 
 
@@ -60,6 +65,15 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     fmt = CompletionFormat(state.settings.model_name, body.include_usage, body.num_choices,
                            _token_texts(state, body), echo)
     return await _generate(request, state, body, prompt_ids, fmt, "prompt")
+
+
+def _parses_reasoning(state: ServerState, body: ChatCompletionRequest) -> bool:
+    """Split the answer into reasoning and content: a thinking model's (`--reasoning-parser`),
+    unless a grammar holds the answer from its first token (a forced call, a JSON answer), which
+    leaves no room to think."""
+    forced = body.tool_use.choice not in ("none", "auto")
+    structured = body.response_format is not None and body.response_format.type != "text"
+    return not (forced or structured) and parses_reasoning(state.settings.reasoning_parser, state.tokenizer)
 
 
 def _token_texts(state: ServerState, body: GenerationFields) -> TokenTexts | None:

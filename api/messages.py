@@ -27,6 +27,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_call_id: str | None = None
     refusal: str | None = None  # an earlier answer's refusal: no effect (templates do not show it)
+    reasoning_content: str | None = None  # an earlier answer's reasoning, as returned (Qwen3's template reads it)
     tool_calls: list[ToolCall] | None = None
     function_call: dict[str, Any] | None = None
 
@@ -46,12 +47,14 @@ class ChatMessage(BaseModel):
 
     def as_template_dict(self) -> dict[str, Any]:
         """What a chat template sees: role and plain-text content (and name / tool_call_id /
-        tool_calls if set)."""
+        reasoning_content / tool_calls if set)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        message.update({k: v for k, v in (("name", self.name), ("tool_call_id", self.tool_call_id)) if v})
+        optional = (("name", self.name), ("tool_call_id", self.tool_call_id),
+                    ("reasoning_content", self.reasoning_content))
+        message.update({k: v for k, v in optional if v})
         if self.tool_calls:
             message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
         return message

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from specdec.api.reasoning import ReasoningParser, split_reasoning
 from specdec.api.tool_calls import ToolCallParser, finish_reason, split_tool_calls, stream_delta
 from specdec.sequence import StepDelta, TokenLogprobs
 
@@ -149,12 +150,17 @@ class CompletionFormat(ResponseFormat):
 
 @dataclass
 class ChatFormat(ResponseFormat):
-    """POST /v1/chat/completions. With `parse_tool_calls` (tools offered), each choice's text goes
-    through a `ToolCallParser`: streamed, a step's chunk carries the step's first delta (content or
-    tool call; `{}` while the parser holds text back) with its logprobs and `specdec` field, and
-    its further deltas follow in chunks of their own (the extension's `pieces` are then the raw text)."""
+    """POST /v1/chat/completions. With `parse_reasoning` (a thinking model), each choice's text is
+    split by a `ReasoningParser` into `reasoning_content` and `content` (`starts_in_reasoning`:
+    the prompt left a `<think>` open); with `parse_tool_calls` (tools offered), the content goes
+    through a `ToolCallParser`. Streamed through either, a step's chunk carries the step's first
+    delta (reasoning, content or tool call; `{}` while the parsers hold text back) with its logprobs
+    and `specdec` field, and its further deltas follow in chunks of their own (the extension's
+    `pieces` are then the raw text)."""
 
     parse_tool_calls: bool = False
+    parse_reasoning: bool = False
+    starts_in_reasoning: bool = False
 
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
@@ -163,22 +169,35 @@ class ChatFormat(ResponseFormat):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._parsers = [ToolCallParser() for _ in range(self.n)] if self.parse_tool_calls else None
+        self._reasoning = ([ReasoningParser(self.starts_in_reasoning) for _ in range(self.n)]
+                           if self.parse_reasoning else None)
 
     def delta_chunks(self, index: int, delta: StepDelta) -> list[dict[str, Any]]:
-        if self._parsers is None:
+        if self._parsers is None and self._reasoning is None:
             return super().delta_chunks(index, delta)
-        deltas = [stream_delta(event) for event in self._parsers[index].feed(delta.text)] or [{}]
+        reasoning, content = self._reasoning[index].feed(delta.text) if self._reasoning else ("", delta.text)
+        deltas = self._deltas(index, reasoning, content) or [{}]
         chunks = [self._chunk([self._delta_choice(index, d, None)]) for d in deltas]
         chunks[0]["choices"][0]["logprobs"] = self._stream_logprobs(index, delta)
         chunks[0]["specdec"] = step_extension(delta)
         return chunks
 
     def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
-        if self._parsers is None:
+        if self._parsers is None and self._reasoning is None:
             return super().finish_chunks(index, reason)
-        parser = self._parsers[index]
-        chunks = [self._chunk([self._delta_choice(index, stream_delta(event), None)]) for event in parser.finish()]
-        return chunks + super().finish_chunks(index, finish_reason(reason, parser))
+        deltas = self._deltas(index, *self._reasoning[index].finish()) if self._reasoning else []
+        if self._parsers is not None:
+            parser = self._parsers[index]
+            deltas += [stream_delta(event) for event in parser.finish()]
+            reason = finish_reason(reason, parser)
+        chunks = [self._chunk([self._delta_choice(index, d, None)]) for d in deltas]
+        return chunks + super().finish_chunks(index, reason)
+
+    def _deltas(self, index: int, reasoning: str, content: str) -> list[dict[str, Any]]:
+        deltas = [{"reasoning_content": reasoning}] if reasoning else []
+        if self._parsers is not None:
+            return deltas + [stream_delta(event) for event in self._parsers[index].feed(content)]
+        return deltas + ([{"content": content}] if content else [])
 
     def _delta_choice(self, index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
@@ -198,8 +217,10 @@ class ChatFormat(ResponseFormat):
     def _final_choice(self, index: int, choice: ChoiceOutput) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         reason = choice.finish_reason
+        if self.parse_reasoning:
+            message["reasoning_content"], message["content"] = split_reasoning(choice.text, self.starts_in_reasoning)
         if self.parse_tool_calls:
-            message["content"], calls = split_tool_calls(choice.text)
+            message["content"], calls = split_tool_calls(message["content"])
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason

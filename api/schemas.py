@@ -23,6 +23,12 @@ from specdec.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_STRIN
 
 _FLOAT = dict(allow_inf_nan=False)
 MAX_N = 16  # choices per request
+# what the request itself sets when the chat template renders (apply_chat_template's arguments)
+_TEMPLATE_ARGUMENTS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 class FieldError(ValueError):
@@ -235,6 +241,10 @@ class ChatCompletionRequest(GenerationFields):
     # refused: the legacy form of tools
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # chat template variables (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), each
+    # refused unless the template uses it (`ServerState.chat_prompt_ids`)
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -266,6 +276,22 @@ class ChatCompletionRequest(GenerationFields):
         if value not in (None, "none"):
             raise ValueError("the legacy function_call field is not supported; send tool_choice")
         return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(kwargs or {}) & _TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the request itself, not a chat template variable")
+        return kwargs
+
+    def template_variables(self) -> list[tuple[str, str, Any]]:
+        """(the field that sets it, name, value) of each chat template variable besides messages and
+        tools: `("chat_template_kwargs.enable_thinking", "enable_thinking", False)`, `reasoning_effort`."""
+        variables = [(f"chat_template_kwargs.{k}", k, v) for k, v in (self.chat_template_kwargs or {}).items()]
+        if self.reasoning_effort is not None:
+            variables.append(("reasoning_effort", "reasoning_effort", self.reasoning_effort))
+        return variables
 
     @property
     def tool_use(self) -> ToolUse:

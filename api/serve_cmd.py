@@ -19,6 +19,7 @@ logger = logging.getLogger("specdec.api")
 
 def register(sub: argparse._SubParsersAction) -> None:
     from specdec.api.args import add_engine_args, add_warmup_arg
+    from specdec.api.reasoning import REASONING_PARSERS
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat/completions, streaming) over HTTP")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -31,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send (default: the target's name)")
+    p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
+                   help="split a thinking model's <think> block into reasoning_content: auto (when the chat "
+                        "template writes <think>), none, deepseek_r1 (the answer starts in the reasoning), qwen3")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_warmup_arg(p)
     add_engine_args(p)
@@ -68,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or served_name(config.target), api_key=args.api_key,
         max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes, on_load_error=on_dead,
-        warmup=args.warmup,
+        warmup=args.warmup, reasoning_parser=args.reasoning_parser,
     )
     if args.prefill_replicas and args.replicas is None:
         raise ValueError("--prefill-replicas needs --replicas N (prefill and decode replicas are Ray Serve replicas)")

@@ -3,7 +3,7 @@ tokenization (chat template / text / token ids), all checked before a request re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,9 +13,12 @@ from specdec.api.engine_loop import AsyncEngine, EngineInfo
 from specdec.api.errors import APIError
 from specdec.api.logprobs import TokenTexts
 from specdec.api.metrics import ServerMetrics
+from specdec.api.reasoning import REASONING_PARSERS, chat_template_text
 from specdec.api.tools import ToolUse, template_supports_tools, tool_tags_are_tokens
 from specdec.sampling_params import StructuredSpec
 from specdec.target.tokenizer import encode_prompt
+
+TemplateVariables = Sequence[tuple[str, str, Any]]  # (param, name, value)
 
 
 @dataclass
@@ -30,12 +33,16 @@ class ServerSettings:
     send_timeout_seconds: float = 60.0  # a client that stops reading for this long is dropped
     on_load_error: Callable[[str], None] | None = None
     warmup: bool = False  # run specdec.warmup.warm_up before /health turns 200 (`specdec serve` does)
+    reasoning_parser: str = "auto"  # specdec.api.reasoning: auto, none, deepseek_r1 or qwen3
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent must be at least 1, got {self.max_concurrent}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
 
 
 class ConcurrencyLimiter:
@@ -89,19 +96,42 @@ class ServerState:
             self._token_texts = TokenTexts(self.tokenizer)
         return self._token_texts
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        tools: list[dict[str, Any]] | None = None) -> list[int]:
-        tokenizer = self.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    @property
+    def chat_template(self) -> str:
+        """The chat template's text; a 400 for a model without one."""
+        template = chat_template_text(self.tokenizer)
+        if not template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages",
                            "no_chat_template")
+        return template
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        tools: list[dict[str, Any]] | None = None,
+                        variables: TemplateVariables = ()) -> list[int]:
+        ids = self._render(messages, add_generation_prompt, tools, variables, tokenize=True)
+        return self._checked(list(ids), "messages")
+
+    def chat_prompt_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                         variables: TemplateVariables = ()) -> str:
+        """The prompt as the template writes it (does it leave a `<think>` open?)."""
+        return self._render(messages, True, tools, variables, tokenize=False)
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None, variables: TemplateVariables, tokenize: bool) -> Any:
+        """The template applied; `variables` (`ChatCompletionRequest.template_variables`): each must be
+        one the template mentions, else a 400 naming the field that set it (a variable the template
+        never reads would silently change nothing)."""
+        template = self.chat_template
+        for param, name, _ in variables:
+            if name not in template:
+                raise APIError(400, f"this model's chat template does not use {name!r}", param, "invalid_value")
         try:
-            ids = tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            return self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=tokenize,
+                return_dict=False, **{name: value for _, name, value in variables},
             )
         except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
             raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
-        return self._checked(list(ids), "messages")
 
     def tool_grammar(self, tool_use: ToolUse) -> StructuredSpec | None:
         """The grammar of an answer with tools (None without): calls in the `<tool_call>` format,

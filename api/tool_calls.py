@@ -55,7 +55,7 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _tag_prefix_len(text: str, tag: str) -> int:
+def tag_prefix_len(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -122,7 +122,7 @@ class ToolCallParser:
                 self._body, self._text, self._args_at, self._sent = self._text[brace:], "", None, 0
                 return True
         at = self._text.find(OPEN_TAG)
-        end = at if at >= 0 else len(self._text) - _tag_prefix_len(self._text, OPEN_TAG)
+        end = at if at >= 0 else len(self._text) - tag_prefix_len(self._text, OPEN_TAG)
         head = self._text[:end]
         keep = len(head.rstrip())
         if self._after_call:

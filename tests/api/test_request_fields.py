@@ -64,6 +64,8 @@ CHAT_FIELDS = SHARED | {
     "parallel_tool_calls": ("honoured", "test_tools::test_parallel_calls_each_validate"),
     "functions": ("refused", [{"name": "f", "parameters": {}}]),
     "function_call": ("refused", "auto"),
+    "chat_template_kwargs": ("honoured", "test_reasoning::test_enable_thinking_false_leaves_the_answer_unsplit"),
+    "reasoning_effort": ("honoured", "test_reasoning::test_reasoning_effort_reaches_a_template_that_uses_it"),
 }
 COMPLETION_FIELDS = SHARED | {
     "prompt": ("honoured", OPENAI + "test_completion"),
@@ -79,6 +81,7 @@ MESSAGE_FIELDS = {
     "tool_call_id": ("honoured", "test_request_fields::test_message_name_and_tool_call_id_reach_the_template"),
     "refusal": ("no effect", "I can't help with that."),
     "tool_calls": ("honoured", "test_tools::test_the_conversation_continues_after_a_tool_message"),
+    "reasoning_content": ("honoured", "test_reasoning::test_an_earlier_answers_reasoning_reaches_the_template"),
     "function_call": ("refused", {"name": "f", "arguments": "{}"}),
 }
 STREAM_OPTION_FIELDS = {"include_usage": ("honoured", OPENAI + "test_chat_stream_equals_non_stream")}
