@@ -280,6 +280,9 @@ class ChatCompletionRequest(GenerationFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_variables_only(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        odd = sorted(k for k in kwargs or {} if not k.isidentifier())
+        if odd:
+            raise ValueError(f"template variable names are identifiers, got {', '.join(map(repr, odd))}")
         taken = sorted(set(kwargs or {}) & _TEMPLATE_ARGUMENTS)
         if taken:
             raise ValueError(f"{', '.join(taken)}: set by the request itself, not a chat template variable")

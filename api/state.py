@@ -3,6 +3,7 @@ tokenization (chat template / text / token ids), all checked before a request re
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,7 +124,7 @@ class ServerState:
         never reads would silently change nothing)."""
         template = self.chat_template
         for param, name, _ in variables:
-            if name not in template:
+            if not re.search(rf"\b{name}\b", template):
                 raise APIError(400, f"this model's chat template does not use {name!r}", param, "invalid_value")
         try:
             return self.tokenizer.apply_chat_template(

@@ -21,6 +21,7 @@ import torch
 from specdec.api.protocol import ChatFormat, ChoiceOutput, Usage
 from specdec.api.reasoning import ReasoningParser, parses_reasoning, split_reasoning, starts_in_reasoning
 from specdec.api.schemas import ChatMessage
+from specdec.api.state import ServerSettings
 from specdec.config import EngineConfig
 from specdec.engine import Engine
 from specdec.sequence import StepDelta, TokenOrigin
@@ -229,10 +230,12 @@ def test_reasoning_effort_reaches_a_template_that_uses_it(serve_template):
         error = assert_error(httpx.post(srv.url + CHAT, json=chat_body(reasoning_effort="high"), timeout=60),
                              400, "reasoning_effort", "invalid_value")
         assert "reasoning_effort" in error["message"]
-        assert_error(httpx.post(srv.url + CHAT, json=chat_body(chat_template_kwargs={"thinking_budget": 9}),
-                                timeout=60), 400, "chat_template_kwargs.thinking_budget", "invalid_value")
-        assert_error(httpx.post(srv.url + CHAT, json=chat_body(chat_template_kwargs={"tools": []}), timeout=60),
-                     400, "chat_template_kwargs")
+        for unused in ("thinking_budget", "enable"):  # `enable` is only part of `enable_thinking`
+            assert_error(httpx.post(srv.url + CHAT, json=chat_body(chat_template_kwargs={unused: 9}), timeout=60),
+                         400, f"chat_template_kwargs.{unused}", "invalid_value")
+        for refused in ("tools", "a-b"):  # set by the request; not a name
+            assert_error(httpx.post(srv.url + CHAT, json=chat_body(chat_template_kwargs={refused: []}), timeout=60),
+                         400, "chat_template_kwargs")
 
 
 def test_an_earlier_answers_reasoning_reaches_the_template():
@@ -245,3 +248,5 @@ def test_parses_reasoning_follows_the_template():
     assert not parses_reasoning("auto", tokenizer) and parses_reasoning("qwen3", tokenizer)
     tokenizer.chat_template = QWEN3
     assert parses_reasoning("auto", tokenizer) and not parses_reasoning("none", tokenizer)
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        ServerSettings(reasoning_parser="deepseek")
