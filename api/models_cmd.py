@@ -118,6 +118,7 @@ FAMILIES = {
     "Qwen3MoeForCausalLM": ("Qwen3-MoE (30B-A3B, 235B-A22B)", "MoE: softmax, top k, renormalized", "qwen3moe"),
     "Qwen2MoeForCausalLM": ("Qwen2-MoE / Qwen1.5-MoE", "MoE + a shared expert (sigmoid gate)", "qwen2moe"),
     "MixtralForCausalLM": ("Mixtral", "MoE: top 2 of 8, renormalized", "llama (with experts)"),
+    "GptOssForCausalLM": ("gpt-oss (20b, 120b)", "MoE with biases, clamped SwiGLU; sinks, alternating windows", "gpt-oss (MXFP4 read)"),
     "OlmoeForCausalLM": ("OLMoE", "MoE, whole-width q/k norms, qkv clipping", ""),
     "DeepseekV2ForCausalLM": ("DeepSeek-V2 / V2-Lite", "MLA (latent KV cache) + MoE with shared experts", "deepseek2"),
     "DeepseekV3ForCausalLM": ("DeepSeek-V3 / R1 / Kimi-K2-style", "MLA + MoE: sigmoid, grouped, bias-chosen", "deepseek2"),

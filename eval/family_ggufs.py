@@ -36,6 +36,9 @@ FAMILIES = {
                                          short_factor=[1.0 + 0.05 * i for i in range(24)],
                                          long_factor=[2.0 + i for i in range(24)]))),
     "glm4": ("Glm4Config", dict(attention_bias=True)),  # half of each 64-wide head turned, in pairs
+    # 8 experts of the common intermediate width, top 2; llama.cpp's graph wants as many k heads
+    # as q heads (whole-width q/k norms) and its converter writes an eps of 1e-5 whatever the config says
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, num_key_value_heads=4, rms_norm_eps=1e-5)),
 }
 # llama-perplexity's context per family: longrope keeps its short factors up to its original context
 CTX = {"phi4-mini": 256}

@@ -156,12 +156,14 @@ class GGUFCheckpoint:
                     self._gguf_name[f"{layer}.mlp.gate.e_score_correction_bias"] = gguf_name
                 elif m["kind"] == "attn_k_b.weight":
                     self._kv_b[f"{layer}.self_attn.kv_b_proj.weight"] = (gguf_name, f"blk.{m['layer']}.attn_v_b.weight")
+            if architecture == "gpt-oss" and (m := _SINKS.fullmatch(gguf_name)):  # HF's name has no `.weight`
+                self._gguf_name[f"model.layers.{m['layer']}.self_attn.sinks"] = gguf_name
             if gguf_name not in to_hf and (m := _DENSE_FFN.fullmatch(gguf_name)):  # a dense layer of an MoE arch
                 self._gguf_name[f"model.layers.{m['layer']}.mlp.{m['proj']}_proj.weight"] = gguf_name
             if m := _STACKED_EXPERTS.fullmatch(gguf_name):
                 self._gguf_name.pop(to_hf.get(gguf_name), None)  # transformers' name for the whole stack
                 for e in range(self.file.tensors[gguf_name].shape[0]):
-                    name = f"model.layers.{m['layer']}.mlp.experts.{e}.{m['proj']}_proj.weight"
+                    name = f"model.layers.{m['layer']}.mlp.experts.{e}.{m['proj']}_proj.{m['kind']}"
                     self._gguf_name[name] = gguf_name
                     self._expert[name] = (gguf_name, e)
         self._check_every_tensor_read()
@@ -288,10 +290,13 @@ _IMAGE_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower."
 
 
 # llama.cpp stacks an MoE layer's experts: `blk.{i}.ffn_{gate,up,down}_exps.weight [E, out, in]`
-_STACKED_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
+# (gpt-oss: their biases too, `.bias [E, out]`)
+_STACKED_EXPERTS = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.(?P<kind>weight|bias)")
 # DeepSeek's router bias, and the per-head halves of a split kv_b (llama.cpp #12801)
 _DEEPSEEK2 = re.compile(r"blk\.(?P<layer>\d+)\.(?P<kind>exp_probs_b\.bias|attn_k_b\.weight)")
-# ... and its dense layers' MLP as in dense models (gguf-py's MoE tables do not list them)
+# gpt-oss's attention sinks (transformers: `self_attn.sinks`, which its name table does not find)
+_SINKS = re.compile(r"blk\.(?P<layer>\d+)\.attn_sinks\.weight")
+# ... and DeepSeek's dense layers' MLP as in dense models (gguf-py's MoE tables do not list them)
 _DENSE_FFN = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)\.weight")
 # Mixtral's checkpoints name its sparse MLP `block_sparse_moe` and an expert's gate / up / down
 # projections w1 / w3 / w2.

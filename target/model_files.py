@@ -282,10 +282,14 @@ def gguf_config(gguf: GGUFFile):
     arch = meta["general.architecture"]
     if arch == "deepseek2":  # not in transformers' GGUF tables
         return _deepseek2_config(gguf)
-    # llama.cpp writes Mistral as llama; transformers tells them apart by general.name alone
-    updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else arch
+    # llama.cpp writes Mistral as llama; transformers tells them apart by general.name alone (and
+    # names gpt-oss's table `gpt_oss`)
+    updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else (
+        "gpt_oss" if arch == "gpt-oss" else arch)
     updated = _GGUF_MOE_ARCHS.get(arch, updated)
     updated = _GGUF_LLAMA_LIKE.get(arch, (updated,))[0]  # read as llama, then told apart below
+    if arch == "olmoe":  # qwen2moe's keys (feed_forward_length: the experts' width), told apart below
+        updated = "qwen2_moe"
     mixtral = arch == "llama" and bool(meta.get("llama.expert_count"))  # llama.cpp writes Mixtral as llama
     if arch not in GGUF_SUPPORTED_ARCHITECTURES and updated not in GGUF_SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(f"{gguf.path.name}: GGUF architecture {arch!r} is not supported")
@@ -316,7 +320,12 @@ def gguf_config(gguf: GGUFFile):
         config["rope_parameters"] = _rope_from_freqs(gguf, config)
     if arch == "phi3":
         config.update(_phi3_extras(gguf, config))
+    if arch == "gpt-oss":
+        config.update(_gpt_oss_extras(meta, config))
     model_type = config.pop("model_type")
+    if arch == "olmoe":
+        model_type = "olmoe"
+        config.update(_GGUF_OLMOE)
     if arch in _GGUF_LLAMA_LIKE:
         model_type = _GGUF_LLAMA_LIKE[arch][1]
         config.update(_llama_like_extras(arch, gguf, config))
@@ -378,6 +387,22 @@ def _phi3_extras(gguf: GGUFFile, config: dict) -> dict:
     return extras
 
 
+def _gpt_oss_extras(meta: dict, config: dict) -> dict:
+    """What transformers' gpt_oss GGUF table leaves out: the experts' width, YaRN's parameters
+    (as llama.cpp runs them: its correction range truncated to whole dims, transformers' default;
+    the checkpoints' config says `truncate: false`, which the file does not keep) and the biases
+    every gpt-oss has. The sliding layers alternate from the first, as both engines lay them out."""
+    key = "gpt-oss."
+    rope = {"rope_type": "default", "rope_theta": float(config.get("rope_theta", 150000.0))}
+    if meta.get(key + "rope.scaling.type") == "yarn":
+        rope.update(rope_type="yarn", factor=float(meta[key + "rope.scaling.factor"]),
+                    original_max_position_embeddings=int(meta[key + "rope.scaling.original_context_length"]),
+                    beta_fast=float(meta.get(key + "rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(meta.get(key + "rope.scaling.yarn_beta_slow", 1.0)))
+    return {"intermediate_size": meta.get(key + "expert_feed_forward_length", config.get("intermediate_size")),
+            "rope_parameters": rope, "attention_bias": True}
+
+
 # Phi-3 / Phi-4-mini's longrope factors as llama.cpp's converter writes them (read into config.json)
 ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
@@ -421,8 +446,16 @@ _GGUF_MOE_WIDTHS = {"expert_feed_forward_length": "moe_intermediate_size",
                     "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 
 
+# OLMoE as llama.cpp runs its GGUF, whatever the checkpoint's config said: its converter writes
+# neither clip_qkv nor norm_topk_prob, and its graph clamps nothing and keeps the top k's softmax
+# weights as they are (q/k are stored unpermuted, their norms whole-width `attn_{q,k}_norm`)
+_GGUF_OLMOE = {"clip_qkv": None, "norm_topk_prob": False}
+
+
 # architectures transformers reads no GGUF tokenizer of -> one whose tokenizer reading serves
-_TOKENIZER_STAND_IN = {"deepseek2": "qwen2", "smollm3": "llama", "granite": "llama", "glm4": "llama"}
+# (gpt-oss: transformers' reader of its rope keys fails on them, so its tokenizer is read as qwen2's)
+_TOKENIZER_STAND_IN = {"deepseek2": "qwen2", "smollm3": "llama", "granite": "llama", "glm4": "llama", "gpt-oss": "qwen2",
+                       "olmoe": "qwen2"}
 
 
 def _deepseek2_config(gguf: GGUFFile):

@@ -53,7 +53,8 @@ def moe_hf_model(family: str, seed: int = 0, **overrides):
     return _MODELS[key]
 
 
-_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "qwen3": "qwen3", "qwen2": "qwen2", "mixtral": "llama"}
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "qwen3": "qwen3", "qwen2": "qwen2", "mixtral": "llama",
+             "olmoe": "olmoe"}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -102,7 +103,7 @@ def gguf_tensors(hf_model) -> dict[str, np.ndarray]:
 
 
 def write_gguf(hf_model, path, tokenizer, expert_type: str = "F32") -> None:
-    """`hf_model` (a Qwen3 / Qwen2, MoE or dense, or a Mixtral: llama.cpp's llama architecture) as a
+    """`hf_model` (a Qwen3 / Qwen2, MoE or dense, an OLMoE, or a Mixtral: llama.cpp's llama architecture) as a
     GGUF file with `tokenizer`; the stacked experts in `expert_type` (F32, Q8_0, or Q4_K: random
     valid blocks in place of the weights, which gguf cannot quantize to), the rest F32."""
     import gguf
@@ -118,6 +119,10 @@ def write_gguf(hf_model, path, tokenizer, expert_type: str = "F32") -> None:
     if cfg.model_type == "mixtral":
         writer.add_expert_count(cfg.num_local_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)
+    elif cfg.model_type == "olmoe":  # llama.cpp's OlmoeModel: feed_forward_length is the experts' width,
+        writer.add_expert_count(cfg.num_experts)  # the norm eps always 1e-5, no clip_qkv nor norm_topk_prob
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_layer_norm_rms_eps(1e-5)
     elif "moe" in cfg.model_type:
         writer.add_expert_count(cfg.num_experts)
         writer.add_expert_used_count(cfg.num_experts_per_tok)

@@ -217,14 +217,20 @@ def test_experts_that_do_not_fit_the_kernel_run_in_torch():
     assert error.item() < 0.03  # what int8 activations cost, no more
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+# what a family's GGUF can hold: llama.cpp's OLMoE converter writes no clip_qkv and an eps of 1e-5,
+# and its graph wants as many k heads as q heads (whole-width norms of the same size)
+_GGUF_OVERRIDES = {"olmoe": dict(clip_qkv=None, rms_norm_eps=1e-5, num_key_value_heads=2)}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 def test_gguf_with_stacked_experts_gives_its_hf_folders_logits(tmp_path, family):
     """A tiny MoE written to GGUF as llama.cpp lays it out (stacked `ffn_*_exps`, the shared
     expert's `*_shexp`, a dense layer among sparse ones; Mixtral as the llama architecture with
-    experts and permuted q/k rows) loads with the same logits as its HF folder (F32), and Q8_0
-    experts slice per expert into exactly gguf's dequantized values."""
+    experts and permuted q/k rows; OLMoE's q/k as stored, their whole-width norms) loads with the
+    same logits as its HF folder (F32), and Q8_0 experts slice per expert into exactly gguf's
+    dequantized values."""
     tokenizer = build_tiny_tokenizer()
-    hf = moe_hf_model(family, vocab_size=len(tokenizer))
+    hf = moe_hf_model(family, vocab_size=len(tokenizer), **_GGUF_OVERRIDES.get(family, {}))
     ids = list(range(3, 30))
     for expert_type in ("F32", "Q8_0"):
         path = tmp_path / f"tiny-{family}-{expert_type}.gguf"
@@ -236,6 +242,30 @@ def test_gguf_with_stacked_experts_gives_its_hf_folders_logits(tmp_path, family)
         table.ensure_slots(len(ids))
         logits = runner.forward([Window(table, ids, len(ids))])
         assert (logits - _hf_logits(reference, ids)).abs().max().item() < TOL, expert_type
+
+
+def test_olmoe_gguf_generates_what_transformers_generates(tmp_path):
+    """llama.cpp's `olmoe` GGUF (qwen2moe's keys, its feed_forward_length the experts' width) reads
+    as OLMoE as llama.cpp runs it (no clipping, the top k's weights not renormalized) and generates
+    transformers' greedy tokens, target only and speculative with itself as its draft (fp32)."""
+    import json
+
+    tokenizer = build_tiny_tokenizer()
+    hf = moe_hf_model("olmoe", vocab_size=len(tokenizer), **_GGUF_OVERRIDES["olmoe"])
+    path = tmp_path / "tiny-olmoe.gguf"
+    write_gguf(hf, path, tokenizer)
+    config = json.loads((resolve_model(str(path), progress=False) / "config.json").read_text())
+    assert config["architectures"] == ["OlmoeForCausalLM"]
+    assert (config["num_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (8, 2, 32)
+    assert config["clip_qkv"] is None and config["norm_topk_prob"] is False
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    for kw in (dict(proposer="none"), dict(draft=str(path), proposer="draft", num_speculative_tokens=3)):
+        engine = Engine(EngineConfig(target=str(path), dtype="float32", num_blocks=64, block_size=4,
+                                     adaptive_k=False, **kw))
+        assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == expected, kw
 
 
 def _with_gguf_experts(hf, path):
