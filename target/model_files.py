@@ -399,8 +399,11 @@ def _gpt_oss_extras(meta: dict, config: dict) -> dict:
                     original_max_position_embeddings=int(meta[key + "rope.scaling.original_context_length"]),
                     beta_fast=float(meta.get(key + "rope.scaling.yarn_beta_fast", 32.0)),
                     beta_slow=float(meta.get(key + "rope.scaling.yarn_beta_slow", 1.0)))
-    return {"intermediate_size": meta.get(key + "expert_feed_forward_length", config.get("intermediate_size")),
-            "rope_parameters": rope, "attention_bias": True}
+    extras = {"intermediate_size": meta.get(key + "expert_feed_forward_length", config.get("intermediate_size")),
+              "rope_parameters": rope, "attention_bias": True}
+    if key + "attention.sliding_window" in meta:  # transformers' table drops it (its default: 128)
+        extras["sliding_window"] = int(meta[key + "attention.sliding_window"])
+    return extras
 
 
 # Phi-3 / Phi-4-mini's longrope factors as llama.cpp's converter writes them (read into config.json)

@@ -160,3 +160,59 @@ def _add_spm_vocab(writer, vocab_size: int) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(False)
+
+
+def write_gpt_oss_gguf(hf_model, path, tokenizer) -> None:
+    """A transformers gpt-oss (float experts) as llama.cpp's converter writes one with float
+    experts: gate and up split from the interleaved `gate_up_proj` (even columns gate, odd up),
+    each expert stored [out, in]; the router, sinks and biases under gguf-py's names; YaRN's
+    parameters as scaling keys. MXFP4 experts are the quantizer's (`llama-quantize MXFP4_MOE`)."""
+    import gguf
+
+    cfg = hf_model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, cfg.num_hidden_layers)
+    writer, _ = shape_writer(path, "gpt-oss", cfg)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_expert_count(cfg.num_local_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(cfg.intermediate_size)
+    writer.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    add_gguf_tokenizer_to(writer, tokenizer)
+    for name, t in hf_model.state_dict().items():
+        t = t.detach().float()
+        stem = name.rsplit(".", 1)[0]
+        if "experts.gate_up_proj" in name:
+            gate_up = t if name.endswith("_bias") else t.transpose(-1, -2)  # [E, 2I(, H)]
+            suffix = ".bias" if name.endswith("_bias") else ".weight"
+            for part, rows in (("gate_proj", gate_up[:, ::2]), ("up_proj", gate_up[:, 1::2])):
+                writer.add_tensor(names.get_name(f"{stem}.{part}") + suffix, rows.contiguous().numpy())
+        elif "experts.down_proj" in name:
+            suffix = ".bias" if name.endswith("_bias") else ".weight"
+            values = t if name.endswith("_bias") else t.transpose(-1, -2)  # [E, H, I]
+            writer.add_tensor(names.get_name(f"{stem}.down_proj") + suffix, values.contiguous().numpy())
+        elif name.endswith("self_attn.sinks"):
+            writer.add_tensor(names.get_name(name) + ".weight", t.numpy())
+        else:
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            writer.add_tensor(gguf_name, t.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def add_gguf_tokenizer_to(writer, tokenizer) -> None:
+    """`tokenizer` (a byte-level BPE) written as llama.cpp writes one, no BOS added."""
+    from tests.target.conftest import add_gguf_tokenizer
+
+    add_gguf_tokenizer(writer, tokenizer)
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_add_bos_token(False)

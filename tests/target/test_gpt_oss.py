@@ -36,7 +36,7 @@ def gpt_oss_model(seed: int = 0, **overrides):
     """A random transformers gpt-oss in fp32 (cached: tests only read it)."""
     from transformers import AutoModelForCausalLM
 
-    key = (seed, tuple(sorted(overrides.items())))
+    key = (seed, repr(sorted(overrides.items())))
     if key not in _MODELS:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(gpt_oss_config(**overrides), dtype=torch.float32)
@@ -117,3 +117,33 @@ def test_greedy_tokens_equal_transformers_generate_target_only_and_speculative()
                               num_speculative_tokens=3, adaptive_k=False)
         outs = Engine.from_models(config, target, draft if proposer == "draft" else None).generate(PROMPTS, greedy)
         assert [o.token_ids for o in outs] == expected, proposer
+
+
+def test_gguf_generates_as_transformers_target_only_and_speculative(tmp_path, monkeypatch):
+    """A gpt-oss GGUF as llama.cpp's converter writes one with float experts (gate and up split from
+    the interleaved pairs, sinks, biases, YaRN keys) loads as gpt-oss and generates transformers'
+    tokens. YaRN as llama.cpp runs it: the correction range truncated to whole dims (the file keeps
+    no `truncate`), and the SwiGLU clamp at gpt-oss's 7 (llama.cpp's constant: the file keeps none).
+    Before: the file's sliding window was dropped (transformers' default of 128 ran instead)."""
+    import json
+
+    from specdec.target.model_files import resolve_model
+    from tests.target.conftest import build_tiny_tokenizer
+    from tests.target.gguf_models import write_gpt_oss_gguf
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    tokenizer = build_tiny_tokenizer(chat_template=None)
+    yarn = {k: v for k, v in YARN.items() if k != "truncate"}
+    hf = gpt_oss_model(vocab_size=len(tokenizer), rope_parameters=yarn, swiglu_limit=7.0, seed=2)
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    write_gpt_oss_gguf(hf, path, tokenizer)
+    config = json.loads((resolve_model(str(path), progress=False) / "config.json").read_text())
+    assert (config["model_type"], config["num_local_experts"], config["intermediate_size"]) == ("gpt_oss", 4, 32)
+    assert config["rope_parameters"]["rope_type"] == "yarn" and config["sliding_window"] == 4
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    for kw in (dict(proposer="none"), dict(draft=str(path), proposer="draft", num_speculative_tokens=3)):
+        engine = Engine(EngineConfig(target=str(path), dtype="float32", num_blocks=96, block_size=4, **kw))
+        assert [o.token_ids for o in engine.generate(PROMPTS, greedy)] == expected, kw
