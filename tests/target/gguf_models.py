@@ -162,12 +162,21 @@ def _add_spm_vocab(writer, vocab_size: int) -> None:
     writer.add_add_space_prefix(False)
 
 
-def write_gpt_oss_gguf(hf_model, path, tokenizer) -> None:
+def write_gpt_oss_gguf(hf_model, path, tokenizer, mxfp4_experts: bool = False) -> None:
     """A transformers gpt-oss (float experts) as llama.cpp's converter writes one with float
     experts: gate and up split from the interleaved `gate_up_proj` (even columns gate, odd up),
     each expert stored [out, in]; the router, sinks and biases under gguf-py's names; YaRN's
-    parameters as scaling keys. MXFP4 experts are the quantizer's (`llama-quantize MXFP4_MOE`)."""
+    parameters as scaling keys. `mxfp4_experts`: the experts' weights as gpt-oss ships them, MXFP4
+    blocks (gguf-py's quantizer; `llama-quantize MXFP4_MOE` writes the same blocks)."""
     import gguf
+    from gguf import quants
+
+    def add_expert(name, values):
+        if mxfp4_experts and name.endswith(".weight"):
+            blocks = quants.quantize(values, gguf.GGMLQuantizationType.MXFP4)
+            writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            writer.add_tensor(name, values)
 
     cfg = hf_model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, cfg.num_hidden_layers)
@@ -192,11 +201,11 @@ def write_gpt_oss_gguf(hf_model, path, tokenizer) -> None:
             gate_up = t if name.endswith("_bias") else t.transpose(-1, -2)  # [E, 2I(, H)]
             suffix = ".bias" if name.endswith("_bias") else ".weight"
             for part, rows in (("gate_proj", gate_up[:, ::2]), ("up_proj", gate_up[:, 1::2])):
-                writer.add_tensor(names.get_name(f"{stem}.{part}") + suffix, rows.contiguous().numpy())
+                add_expert(names.get_name(f"{stem}.{part}") + suffix, rows.contiguous().numpy())
         elif "experts.down_proj" in name:
             suffix = ".bias" if name.endswith("_bias") else ".weight"
             values = t if name.endswith("_bias") else t.transpose(-1, -2)  # [E, H, I]
-            writer.add_tensor(names.get_name(f"{stem}.down_proj") + suffix, values.contiguous().numpy())
+            add_expert(names.get_name(f"{stem}.down_proj") + suffix, values.contiguous().numpy())
         elif name.endswith("self_attn.sinks"):
             writer.add_tensor(names.get_name(name) + ".weight", t.numpy())
         else:

@@ -119,7 +119,26 @@ def test_greedy_tokens_equal_transformers_generate_target_only_and_speculative()
         assert [o.token_ids for o in outs] == expected, proposer
 
 
-def test_gguf_generates_as_transformers_target_only_and_speculative(tmp_path, monkeypatch):
+def _on_the_mxfp4_grid(hf):
+    """A copy of `hf` whose experts' weights are their MXFP4 round trip (which MXFP4 then holds exactly)."""
+    import copy
+
+    import gguf
+    from gguf import quants
+
+    hf = copy.deepcopy(hf)
+    fmt = gguf.GGMLQuantizationType.MXFP4
+    for layer in hf.model.layers:
+        for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+            w = param.data.transpose(-1, -2).contiguous().numpy()  # [E, out, in]: blocks along the input
+            grid = quants.dequantize(quants.quantize(w, fmt), fmt)
+            assert (quants.dequantize(quants.quantize(grid, fmt), fmt) == grid).all()
+            param.data.copy_(torch.from_numpy(grid).transpose(-1, -2))
+    return hf
+
+
+@pytest.mark.parametrize("experts", ["f32", "mxfp4"])
+def test_gguf_generates_as_transformers_target_only_and_speculative(tmp_path, monkeypatch, experts):
     """A gpt-oss GGUF as llama.cpp's converter writes one with float experts (gate and up split from
     the interleaved pairs, sinks, biases, YaRN keys) loads as gpt-oss and generates transformers'
     tokens. YaRN as llama.cpp runs it: the correction range truncated to whole dims (the file keeps
@@ -135,8 +154,14 @@ def test_gguf_generates_as_transformers_target_only_and_speculative(tmp_path, mo
     tokenizer = build_tiny_tokenizer(chat_template=None)
     yarn = {k: v for k, v in YARN.items() if k != "truncate"}
     hf = gpt_oss_model(vocab_size=len(tokenizer), rope_parameters=yarn, swiglu_limit=7.0, seed=2)
+    if experts == "mxfp4":
+        hf = _on_the_mxfp4_grid(hf)
     path = tmp_path / "tiny-gpt-oss.gguf"
-    write_gpt_oss_gguf(hf, path, tokenizer)
+    write_gpt_oss_gguf(hf, path, tokenizer, mxfp4_experts=experts == "mxfp4")
+    from gguf import GGUFReader
+
+    stored = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert stored["blk.0.ffn_down_exps.weight"] == experts.upper() and stored["blk.0.ffn_gate_exps.bias"] == "F32"
     config = json.loads((resolve_model(str(path), progress=False) / "config.json").read_text())
     assert (config["model_type"], config["num_local_experts"], config["intermediate_size"]) == ("gpt_oss", 4, 32)
     assert config["rope_parameters"]["rope_type"] == "yarn" and config["sliding_window"] == 4
