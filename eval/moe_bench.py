@@ -51,8 +51,8 @@ def load_runner(path: Path, quant: str) -> tuple[ModelRunner, float]:
     return ModelRunner.build(model, 16, None, num_blocks=64), time.perf_counter() - t0
 
 
-def specdec_figures(runner: ModelRunner, repeats: int) -> dict:
-    """tg128, pp512, the row forwards and the experts they read, of specdec's `runner`."""
+def specdec_figures(runner: ModelRunner, repeats: int, rows_measured: tuple[int, ...] = ROWS) -> dict:
+    """tg128, pp512, the row forwards (`rows_measured`) and the experts they read, of specdec's `runner`."""
     config = runner.model.config
     ids = token_ids(PROMPT + 128 + 512, config.vocab_size)
 
@@ -76,7 +76,7 @@ def specdec_figures(runner: ModelRunner, repeats: int) -> dict:
         runner.forward([Window(table, [ids[PROMPT + i]], 1)])
         decode.append(time.perf_counter() - start)
     forwards, experts = {}, {}
-    for rows in ROWS:
+    for rows in rows_measured:
         times = []
         for _ in range(repeats * 3):
             table.num_computed = PROMPT
@@ -100,8 +100,8 @@ def median_of(rounds: list[dict]) -> dict:
     return out
 
 
-def llama_figures(path: Path, llama_bin: Path, threads: int, repeats: int) -> dict:
-    """`llama-bench -p 512 -n 128` and `-p 1,2,4,6,8 -n 0` on `path` (JSON output parsed)."""
+def llama_figures(path: Path, llama_bin: Path, threads: int, repeats: int, rows_measured: tuple[int, ...] = ROWS) -> dict:
+    """`llama-bench -p 512 -n 128` and `-p 1,2,4,6,8 -n 0` (`rows_measured`) on `path` (JSON output parsed)."""
 
     def bench(*args: str) -> list[dict]:
         cmd = [str(llama_bin / "llama-bench"), "-m", str(path), "-t", str(threads), "-r", str(repeats), "-o", "json", *args]
@@ -111,7 +111,7 @@ def llama_figures(path: Path, llama_bin: Path, threads: int, repeats: int) -> di
     out = {"forward_s": {}}
     for row in bench("-p", "512", "-n", "128"):
         out["pp512" if row["n_prompt"] else "tg128"] = row["avg_ts"]
-    for row in bench("-p", ",".join(map(str, ROWS)), "-n", "0"):
+    for row in bench("-p", ",".join(map(str, rows_measured)), "-n", "0") if rows_measured else []:
         out["forward_s"][int(row["n_prompt"])] = row["avg_ns"] / 1e9
     return out
 
