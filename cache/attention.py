@@ -75,11 +75,16 @@ def paged_attention(
     ``softcap * tanh(score / softcap)`` before the softmax (Gemma 2). ``sinks`` (gpt-oss) adds
     ``exp(sinks[h])`` to each softmax's denominator of head ``h``: a key of that score and no value.
     """
-    if v_cache.shape[-1] != k_cache.shape[-1] or sinks is not None:  # a latent cache's values, sinks: the reference
-        return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
-    if meta.backend == "triton" or (meta.backend == "auto" and query.is_cuda and triton_available()):
+    triton = v_cache.shape[-1] == k_cache.shape[-1] and sinks is None and (
+        meta.backend == "triton" or (meta.backend == "auto" and query.is_cuda and triton_available()))
+    if triton:  # padded static steps too: the kernel reads the lengths on the device
         return paged_attention_triton(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
-    return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
+    if meta.real is not None:  # a padded static step: the real rows under the real metadata, zeros past them
+        n = meta.real.num_tokens
+        out = paged_attention_ref(query[:n], k_cache, v_cache, meta.real, scale, k_scale, v_scale, window, softcap, sinks)
+        return torch.cat([out, out.new_zeros(query.shape[0] - n, *out.shape[1:])])
+    # a latent cache's values, sinks, no Triton: the reference
+    return paged_attention_ref(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap, sinks)
 
 
 # Gathered K (or V) per chunk of sequences stays below glibc's largest mmap threshold (32 MiB):

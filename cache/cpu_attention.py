@@ -49,8 +49,8 @@ def supports(meta: AttentionMetadata, qkv: torch.Tensor, k_cache: torch.Tensor, 
     (rope works on 16-lane halves) up to `MAX_HEAD_DIM`. Decided by the first layer of a forward
     and kept in `meta.scratch` for the others."""
     use = meta.scratch.get("cpu_attention")
-    if use is None:
-        use = meta.scratch["cpu_attention"] = _kernel_reads(meta, qkv, k_cache, k_scale, v_scale)
+    if use is None:  # a padded static step (`meta.real`) runs the torch layers
+        use = meta.scratch["cpu_attention"] = meta.real is None and _kernel_reads(meta, qkv, k_cache, k_scale, v_scale)
     return use
 
 
@@ -83,7 +83,7 @@ def supports_latent(meta: AttentionMetadata, query: torch.Tensor, cache: torch.T
     first layer of a forward and kept in `meta.scratch`."""
     use = meta.scratch.get("cpu_latent_attention")
     if use is None:
-        use = meta.scratch["cpu_latent_attention"] = bool(
+        use = meta.scratch["cpu_latent_attention"] = meta.real is None and bool(
             cache.shape[-1] % 16 == 0 and meta.max_query_len <= MAX_QUERY_LEN and _latent_kernel_reads(meta, query, cache, kv_scale)
         )
         if use:  # the library for the other layers' calls (loading it reads the environment)

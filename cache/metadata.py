@@ -28,6 +28,9 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
     backend: str = "auto"  # the engine's attention_backend (`attention.paged_attention`)
+    # A padded static step's (`target.static_step`): the metadata of its real rows and sequences,
+    # what backends reading host lengths attend with (the rows past it are padding); None: unpadded
+    real: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
     # What an attention backend derives from the fields above, computed by the first layer of a
     # forward and reused by the others (index tensors, masks); keyed by the backend.
     scratch: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

@@ -13,6 +13,7 @@ from specdec.target.quant.modes import QUANT_MODES
 PROPOSERS = ("draft", "hybrid", "ngram", "none")
 KV_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")
+CUDA_GRAPHS = ("auto", "on", "off")
 PARALLEL_RANKS = ("local", "ray")  # where a parallel target's other ranks run (`specdec.parallel.launch`)
 PARALLEL_PLACEMENTS = ("pack", "spread")
 
@@ -61,6 +62,12 @@ class EngineConfig:
     # Triton), "triton" (the Triton kernel on every layer: on CUDA, or on the CPU under
     # TRITON_INTERPRET=1, which is how CI runs the GPU path; `cache.attention.check_backend`).
     attention_backend: str = "auto"
+    # CUDA graphs of the decode and verify steps (`target.static_step`): "auto" captures one graph
+    # per token bucket on CUDA and is off elsewhere; "on" is refused without CUDA; "off" runs
+    # every step eagerly. `bucketed_steps` runs the same padded steps without capture (the CPU's
+    # tests of the captured path; on CUDA the eager baseline of a graph's figure); None: where graphs run.
+    cuda_graphs: str = "auto"
+    bucketed_steps: bool | None = None
     num_blocks: int | None = None  # overrides the memory budget (both pools get this many)
     max_num_seqs: int = 16
     max_model_len: int | None = None
@@ -121,6 +128,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPHS}, got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.resolved_device() != "cuda":
+            raise ValueError(f"cuda_graphs 'on' needs a CUDA device; this engine runs on {self.resolved_device()} "
+                             "(--cuda-graphs auto is off there)")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         for name in ("target_quant", "draft_quant"):
@@ -161,6 +173,14 @@ class EngineConfig:
     @property
     def speculative(self) -> bool:
         return self.proposer != "none" and self.num_speculative_tokens > 0
+
+    @property
+    def static_steps(self) -> str:
+        """The runners' `static_steps`: "graphs" (CUDA, graphs on), "eager" (padded steps, no
+        capture: `bucketed_steps`) or "off"."""
+        graphs = self.cuda_graphs != "off" and self.resolved_device() == "cuda"
+        bucketed = graphs if self.bucketed_steps is None else self.bucketed_steps
+        return "graphs" if graphs and bucketed else "eager" if bucketed else "off"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -295,7 +295,8 @@ class Engine:
         if not seqs:
             return handed  # prefill chunks (and draft fills) only
         out, controlled = self.verifier.accept(logits, draft, sampling)
-        token_rows, accepted = out.token_ids.tolist(), out.num_accepted.tolist()  # the one host sync
+        rows = torch.cat([out.token_ids, out.num_accepted.to(out.token_ids.dtype).unsqueeze(1)], 1).tolist()
+        token_rows, accepted = [r[:-1] for r in rows], [r[-1] for r in rows]  # the one host sync
         for b, s in enumerate(seqs):
             if draft.feeds_estimate[b]:  # the adaptive estimate is of the draft model's acceptance
                 s.acceptance.update(draft.num_draft[b], accepted[b])

@@ -239,7 +239,7 @@ def build_runners(
     output_vocab = target.config.vocab_size
     runners = [
         ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks, output_vocab=output_vocab,
-                          attention_backend=config.attention_backend)
+                          attention_backend=config.attention_backend, static_steps=config.static_steps)
         for m in models[1:]
     ]
     if (group := getattr(target, "rank_group", None)) is not None:
@@ -249,6 +249,7 @@ def build_runners(
         runners.insert(0, ParallelRunner(target, cache, output_vocab, config.attention_backend, group, config.kv_dtype))
     else:
         runners.insert(0, ModelRunner.build(target, config.block_size, kv_dtype, num_blocks=num_blocks,
-                                            output_vocab=output_vocab, attention_backend=config.attention_backend))
+                                            output_vocab=output_vocab, attention_backend=config.attention_backend,
+                                            static_steps=config.static_steps))
     return runners[0], (runners[1] if uses_draft else None)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -184,3 +185,42 @@ def tiny_serving_engine(seed: int = 0, **overrides):
     kwargs = dict(dtype="float32", num_blocks=256, block_size=8, num_speculative_tokens=4, max_num_seqs=16)
     kwargs.update(overrides)
     return Engine.from_models(EngineConfig(**kwargs), target, noisy_twin(target), tokenizer)
+
+
+HOST_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Count the reads of tensor values by Python (`.item()`, `.tolist()`, `.numpy()`, `bool()` /
+    `int()` / `float()` / indexing by a tensor): on CUDA each is a device-to-host sync. Yields a
+    `collections.Counter` of `(method, caller "file:function")`. What C++ ops sync inside torch
+    (`nonzero`, boolean masks) is not seen here: `torch.cuda.set_sync_debug_mode` sees those on a GPU.
+
+        >>> with count_host_reads() as reads:
+        ...     _ = torch.ones(2).sum().item()
+        >>> sum(reads.values())
+        1
+    """
+    import collections
+    import sys as _sys
+
+    import torch
+
+    reads: collections.Counter = collections.Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def wrap(name, fn):
+        def read(self, *args, **kwargs):
+            frame = _sys._getframe(1)
+            reads[(name, f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")] += 1
+            return fn(self, *args, **kwargs)
+        return read
+
+    for name, fn in saved.items():
+        setattr(torch.Tensor, name, wrap(name, fn))
+    try:
+        yield reads
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)

@@ -13,6 +13,9 @@ from specdec.cache.attention import check_backend
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.moe import SparseMoE
 from specdec.target.quant.decoder_stack import NativeDecoderStack, attach_moe
+from specdec.target.static_step import StaticSteps
+
+STATIC_STEPS = ("off", "eager", "graphs")
 
 
 @dataclass
@@ -57,7 +60,7 @@ class ModelRunner:
 
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: PagedKVCache, output_vocab: int | None = None,
-        attention_backend: str = "auto",
+        attention_backend: str = "auto", static_steps: str = "off",
     ) -> None:
         check_backend(attention_backend, model.model.norm.weight.device)
         self.attention_backend = attention_backend  # every forward's `meta.backend`
@@ -66,13 +69,20 @@ class ModelRunner:
         self.model_vocab = model.config.vocab_size
         self.output_vocab = output_vocab or self.model_vocab
         self.block_size = kv_cache.spec.block_size
-        self.pool = BlockPool(kv_cache.num_blocks)
+        # `static_steps` "eager" / "graphs": decode and verify steps padded to token buckets
+        # (`static_step`; "graphs" captures them on CUDA), the cache's last block the padded
+        # rows' and outside the pool; "off": every step its own shape
+        if static_steps not in STATIC_STEPS:
+            raise ValueError(f"static_steps must be one of {STATIC_STEPS}, got {static_steps!r}")
+        bucketed = static_steps != "off" and model.config.mla is None and kv_cache.num_blocks > 1
+        self.pool = BlockPool(kv_cache.num_blocks - bucketed)
         self.device = model.model.norm.weight.device
         self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
         # The weights are final here: run MoE blocks and the layers from C where they fit, else
         # the Python loop (and the blocks' torch forward).
         attach_moe(model)
         model.use_layer_stack(NativeDecoderStack.build(model))
+        self.static_steps = StaticSteps(self, kv_cache.num_blocks - 1, static_steps == "graphs") if bucketed else None
 
     @staticmethod
     def kv_spec(
@@ -103,11 +113,14 @@ class ModelRunner:
         num_blocks: int,
         output_vocab: int | None = None,
         attention_backend: str = "auto",
+        static_steps: str = "off",
     ) -> "ModelRunner":
-        """A runner whose paged cache has `num_blocks` blocks of `block_size` tokens; logits
-        `[R, output_vocab]` (None: the model's own vocabulary)."""
-        kv_cache = PagedKVCache(cls.kv_spec(model, block_size, kv_dtype), num_blocks)
-        return cls(model, kv_cache, output_vocab, attention_backend)
+        """A runner whose paged cache has `num_blocks` blocks of `block_size` tokens (one more,
+        outside the pool, with `static_steps`); logits `[R, output_vocab]` (None: the model's own
+        vocabulary)."""
+        extra = static_steps != "off" and model.config.mla is None
+        kv_cache = PagedKVCache(cls.kv_spec(model, block_size, kv_dtype), num_blocks + extra)
+        return cls(model, kv_cache, output_vocab, attention_backend, static_steps)
 
     def memory_bytes(self) -> tuple[int, int]:
         """(weights, KV pool): the bytes of the model's parameters and buffers (an embedding left
@@ -143,6 +156,8 @@ class ModelRunner:
         Each table must already have slots for its window (`ensure_slots`); its `num_computed`
         advances past the window.
         """
+        if self.static_steps is not None and (logits := self.static_steps.run(windows)) is not None:
+            return self._fit_vocab(logits)  # the tables advanced as they were filled in
         step = self.prepare(windows)
         logits = self.run_step(step)
         for w, end in zip(windows, step.ends):
