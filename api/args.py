@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=["auto", "torch", "c", "triton"], default="auto",
                    help="paged attention: auto (the C kernel on the CPU, Triton on CUDA), torch (the "
                         "reference), c, or triton (on the CPU only under TRITON_INTERPRET=1: slow, for tests)")
+    g.add_argument("--cuda-graphs", choices=["auto", "on", "off"], default="auto",
+                   help="CUDA graphs of the decode and verify steps, one per token bucket: auto (on CUDA; "
+                        "off elsewhere), on (refused without CUDA), off (every step eager)")
     g.add_argument("--kv-dtype", choices=["auto", "fp8"], default="auto",
                    help="KV cache dtype: the model's, or fp8 (e4m3)")
     g.add_argument("--target-quant", choices=QUANT_MODES, default=None,
@@ -136,6 +139,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gib=args.kv_cache_memory,
         kv_dtype=args.kv_dtype,
         attention_backend=args.attention_backend,
+        cuda_graphs=args.cuda_graphs,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         target_quant=args.target_quant,
