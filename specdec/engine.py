@@ -370,6 +370,7 @@ class Engine:
             TokenOrigin.BONUS if num_accepted == num_draft else TokenOrigin.RECOVERED
         )
         origins = [TokenOrigin.ACCEPTED] * num_accepted + [last]
+        first = seq.num_generated == 0
         if num_draft > 0:
             seq.stats.update(num_draft, num_accepted)
             self.stats.update(num_draft, num_accepted)
@@ -395,6 +396,7 @@ class Engine:
             seq.request_id, emitted, origins[: len(emitted)], text, num_draft, num_accepted,
             reason is not None, reason, pieces, seq.num_cached_tokens or 0,
             seq.stats if reason is not None else None, logprobs,
+            prompt_logprobs=_prompt_logprobs(seq) if first else None,
         )
 
     # ---- prefill/decode disaggregation (specdec.handoff) ---------------------------------------
@@ -496,7 +498,7 @@ class Engine:
         return RequestOutput(
             seq.request_id, seq.token_ids[: seq.prompt_len], ids,
             seq.detokenizer.text, seq.finish_reason, seq.stats, seq.num_cached_tokens or 0,
-            seq.logprobs if seq.params.logprobs is not None else None,
+            seq.logprobs if seq.params.logprobs is not None else None, _prompt_logprobs(seq),
         )
 
     def release(self, request_id: str) -> None:
@@ -569,3 +571,10 @@ def _check_device(config: EngineConfig, models: dict[str, torch.nn.Module | None
 
 def _size(num_bytes: int) -> str:
     return f"{num_bytes / 1e9:.2f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.1f} MB"
+
+
+def _prompt_logprobs(seq: Sequence) -> list[TokenLogprobs | None] | None:
+    """[None] + the prompt tokens' logprobs from the first on, where the request asked for them."""
+    if seq.params.prompt_logprobs is None:
+        return None
+    return [None, *(seq.prompt_logprobs or [])]

@@ -74,6 +74,9 @@ class SamplingParams:
     `logprobs`: None = off; N >= 0 = report each emitted token's log-probability and the N most
     likely alternatives (`specdec.sequence.TokenLogprobs`), from the target's distribution after
     the logit controls and the temperature (1 for greedy rows), before top-k/top-p/min_p.
+    `prompt_logprobs` (vLLM's): the same for each prompt token after the first, from the target's
+    plain log-softmax (no controls, no temperature), computed in its prefill (the prompt then
+    skips the prefix cache: cached blocks kept no logits).
 
     >>> SamplingParams(temperature=0.7, top_p=0.9, max_tokens=64, stop=["\\n\\n"], seed=1)
     """
@@ -93,6 +96,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
@@ -138,6 +142,8 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.structured is not None and (self.ignore_eos or self.min_tokens):
             raise ValueError("structured output cannot be combined with ignore_eos or min_tokens: "
                              "the grammar decides where the answer ends")

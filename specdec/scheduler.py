@@ -164,7 +164,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, left: int) -> bool:
         """Start the sequence's tables on their cached prefixes and reserve its first chunk."""
         seq.target_table = BlockTable(self.target_pool, self.target_block_size, seq.cache_salt)
-        seq.target_table.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        # prompt logprobs come out of the target's prefill: its cached blocks kept no logits
+        seq.target_table.match_prefix(seq.token_ids, 0 if seq.params.prompt_logprobs is not None else seq.num_tokens - 1)
         if self.draft_pool is not None:
             seq.draft_table = BlockTable(self.draft_pool, self.draft_block_size, seq.cache_salt)
             seq.draft_table.match_prefix(seq.token_ids, seq.num_tokens - 1)

@@ -69,6 +69,8 @@ class Sequence:
     # before it is admitted, so that it starts on the cached prompt instead of computing it again.
     prefill_leader: "Sequence | None" = None
     logprobs: list[TokenLogprobs] | None = None  # emitted tokens' logprobs, when params.logprobs is set
+    # params.prompt_logprobs: prompt tokens 1.. as the prefill computes them (token 0 has none)
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # Structured output: the grammar's state over the emitted tokens (`verify.controls.TokenConstraint`)
     constraint: Any = None
     # Prefill/decode disaggregation (`specdec.handoff`): this request ends, once its first token is
@@ -128,6 +130,8 @@ class StepDelta:
     stats: AcceptanceStats | None = None  # the request's acceptance counts, on its finishing delta
     logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids, when params.logprobs is set
     handoff: Any = None  # a `handoff.HandoffTicket` on a handed-off request's last delta
+    # params.prompt_logprobs, on the request's first delta: [None] + prompt tokens 1..'s
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -142,3 +146,4 @@ class RequestOutput:
     stats: AcceptanceStats
     num_cached_tokens: int = 0  # prompt tokens served from the target's prefix cache
     logprobs: list[TokenLogprobs] | None = None  # aligned with token_ids, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # params.prompt_logprobs: [None] + tokens 1..

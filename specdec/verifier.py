@@ -39,12 +39,17 @@ class Verifier:
         windows += [_fill_window(s) for s in fills]
         if not windows:  # only draft fills this step (requests handing their KV over)
             return torch.empty(0, self.target.output_vocab, device=self.target.device)
+        owners = [p.seq for p in plan.rows] + fills
+        leads = [_prompt_rows(w, seq, i >= len(plan.rows)) for i, (w, seq) in enumerate(zip(windows, owners))]
+        starts = [w.table.num_computed for w in windows]
         records = self.timings.verify if plan.rows else []  # a prefill-only step prices no verify
         with self.timings.timing(records, sum(len(w.token_ids) for w in windows), self.target.device):
             logits = self.target.forward(windows)
         _cache_full_blocks(fills)
         if self.expert_stats is not None:
             self._count_experts(plan, windows)
+        if any(leads):
+            logits = _take_prompt_logprobs(logits, windows, owners, leads, starts)
         return logits
 
     def _count_experts(self, plan: StepPlan, windows: list[Window]) -> None:
@@ -121,6 +126,49 @@ class Verifier:
             return Window(table, pending, 1)
         head = torch.tensor(pending, dtype=torch.long, device=self.target.device)
         return Window(table, torch.cat([head, drafts]), drafts.numel() + 1)
+
+
+def _prompt_rows(window: Window, seq: Sequence, fill: bool) -> int:
+    """Leading rows of `window` whose logits score the prompt's next tokens (`prompt_logprobs`),
+    its `num_logits` widened to cover them; 0 where the sequence wants none or has them all.
+    A fill's rows all score prompt tokens; a row window's rows before its verify rows do."""
+    if seq.params.prompt_logprobs is None or len(seq.prompt_logprobs or []) >= seq.prompt_len - 1:
+        return 0
+    lead = len(window.token_ids) if fill else len(window.token_ids) - window.num_logits
+    window.num_logits += lead
+    return lead
+
+
+def _take_prompt_logprobs(logits: torch.Tensor, windows: list[Window], owners: list[Sequence], leads: list[int],
+                          starts: list[int]) -> torch.Tensor:
+    """Record the prompt logprobs of the windows' leading rows (row at position p scores prompt
+    token p + 1: a plain log-softmax, the token's and the `prompt_logprobs` most likely); returns
+    the other rows, the step's verify logits."""
+    keep, at = [], 0
+    for w, seq, lead, start in zip(windows, owners, leads, starts):
+        keep += range(at + lead, at + w.num_logits)
+        first = len(seq.prompt_logprobs or []) - start  # the row scoring the next unscored token
+        last = min(lead, seq.prompt_len - 1 - start)  # rows past the prompt (a recompute's) score nothing
+        if lead and 0 <= first < last:
+            seq.prompt_logprobs = (seq.prompt_logprobs or []) + _logprobs_of(
+                logits[at + first : at + last], seq.token_ids[start + first + 1 : start + last + 1],
+                seq.params.prompt_logprobs)
+        at += w.num_logits
+    return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+
+
+def _logprobs_of(logits: torch.Tensor, tokens: list[int], top: int, rows_at_once: int = 64) -> list[TokenLogprobs]:
+    """Each row's log-softmax at its token and its `top` most likely (fp32, `rows_at_once` rows
+    of the vocabulary at a time)."""
+    out = []
+    for i in range(0, len(tokens), rows_at_once):
+        logp = torch.log_softmax(logits[i : i + rows_at_once].float(), dim=-1)
+        ids = torch.tensor(tokens[i : i + rows_at_once], device=logp.device)
+        chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
+        for token, value, tv, ti in zip(tokens[i : i + rows_at_once], chosen, values.tolist(), top_ids.tolist()):
+            out.append(TokenLogprobs(token, value, list(zip(ti, tv))))
+    return out
 
 
 def _fill_window(seq: Sequence) -> Window:
