@@ -63,7 +63,10 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     prompt_ids = state.completion_prompt_ids(body.prompt)
     echo = state.prompt_text(body.prompt, prompt_ids) if body.echo else ""
     fmt = CompletionFormat(state.settings.model_name, body.include_usage, body.num_choices,
-                           _token_texts(state, body), echo)
+                           _token_texts(state, body), echo, prompt_texts=state.token_texts if body.scores_prompt else None,
+                           echo_logprobs=bool(body.echo) and body.logprobs is not None,
+                           vllm_prompt_logprobs=body.prompt_logprobs is not None,
+                           answer_nothing=body.max_tokens == 0, prompt_ids=prompt_ids)
     return await _generate(request, state, body, prompt_ids, fmt, "prompt")
 
 
@@ -158,6 +161,7 @@ class Choice:
     request_id: str
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # from the first delta, when asked
     num_tokens: int = 0
     num_cached_tokens: int = 0
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)  # the engine's, from the finishing delta
@@ -165,7 +169,8 @@ class Choice:
     last_token_at: float | None = None
 
     def output(self, with_logprobs: bool) -> ChoiceOutput:
-        return ChoiceOutput("".join(self.texts), self.finish_reason or "stop", self.logprobs if with_logprobs else None)
+        return ChoiceOutput("".join(self.texts), self.finish_reason or "stop", self.logprobs if with_logprobs else None,
+                            self.prompt_logprobs)
 
 
 class ActiveRequest:
@@ -236,6 +241,8 @@ class ActiveRequest:
         choice.num_tokens += num_tokens
         choice.texts.append(delta.text)
         choice.logprobs.extend(delta.logprobs or [])
+        if delta.prompt_logprobs is not None:
+            choice.prompt_logprobs = delta.prompt_logprobs
         choice.num_cached_tokens = delta.num_cached_tokens
         if delta.stats is not None:
             choice.stats = delta.stats

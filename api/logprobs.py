@@ -83,6 +83,32 @@ def completion_logprobs(entries: list[TokenLogprobs], texts: TokenTexts, text_of
             "text_offset": offsets}
 
 
+def prompt_completion_logprobs(prompt_ids: list[int], entries: list[TokenLogprobs | None],
+                               texts: TokenTexts) -> dict[str, Any]:
+    """The legacy `logprobs` of an echoed prompt (`entries`: None for the first token, then the
+    others'): the first token's logprob and alternatives null, as OpenAI's; offsets from 0."""
+    rest = completion_logprobs([e for e in entries[1:] if e is not None], texts, 0)
+    first = texts(prompt_ids[0])[0]
+    return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + [o + len(first) for o in rest["text_offset"]]}
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprobs | None], texts: TokenTexts | None) -> list[Any]:
+    """vLLM's `prompt_logprobs`: per prompt token, None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token and its alternatives (rank 1 = the most likely)."""
+    out: list[Any] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = {t: (lp, r + 1) for r, (t, lp) in enumerate(entry.top)}
+        ranked.setdefault(entry.token_id, (entry.logprob, entry.rank))
+        out.append({str(t): {"logprob": finite(lp), "rank": rank,
+                             "decoded_token": texts(t)[0] if texts is not None else None}
+                    for t, (lp, rank) in ranked.items()})
+    return out
+
+
 def finite(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB) if not math.isnan(logprob) else MIN_LOGPROB
 

@@ -22,7 +22,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from specdec.api.logprobs import (
+    TokenTexts, chat_logprobs, completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs,
+)
 from specdec.api.reasoning import ReasoningParser, split_reasoning
 from specdec.api.tool_calls import ToolCallParser, finish_reason, split_tool_calls, stream_delta
 from specdec.sequence import StepDelta, TokenLogprobs
@@ -62,6 +64,7 @@ class ChoiceOutput:
     text: str
     finish_reason: str
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # [None] + prompt tokens 1..'s, when asked
 
 
 @dataclass
@@ -145,7 +148,39 @@ class ResponseFormat:
 
 @dataclass
 class CompletionFormat(ResponseFormat):
-    """POST /v1/completions."""
+    """POST /v1/completions. `echo_logprobs` (`echo` with `logprobs`): the legacy logprobs start
+    with the prompt's tokens (the first one's logprob and alternatives null, as OpenAI's); `vllm_prompt_logprobs`:
+    vLLM's `prompt_logprobs` list per choice; `answer_nothing` (`max_tokens` 0): the prompt scored,
+    no completion (its one engine token dropped)."""
+
+    echo_logprobs: bool = False
+    vllm_prompt_logprobs: bool = False
+    answer_nothing: bool = False
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_texts: TokenTexts | None = None  # the prompt's tokens spelled, when it is scored
+
+    def response(self, choices: list[ChoiceOutput], usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
+        if self.answer_nothing:
+            choices = [ChoiceOutput("", "length", [] if c.logprobs is not None else None, c.prompt_logprobs)
+                       for c in choices]
+            usage = Usage(usage.prompt_tokens, 0, usage.cached_tokens)
+        return super().response(choices, usage, extension)
+
+    def _final_choice(self, index: int, choice: ChoiceOutput) -> dict[str, Any]:
+        out = super()._final_choice(index, choice)
+        prompt = choice.prompt_logprobs or []
+        if self.echo_logprobs and self.prompt_texts is not None and prompt:
+            out["logprobs"] = _join_logprobs(prompt_completion_logprobs(self.prompt_ids, prompt, self.prompt_texts),
+                                             out["logprobs"])
+        if self.vllm_prompt_logprobs:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(prompt, self.prompt_texts)
+        return out
+
+
+def _join_logprobs(prompt: dict[str, Any], answer: dict[str, Any] | None) -> dict[str, Any]:
+    if not answer:
+        return prompt
+    return {key: prompt[key] + answer[key] for key in prompt}
 
 
 @dataclass

@@ -13,6 +13,7 @@ client's `extra_body`), and so is `response_format` on completions.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -311,8 +312,10 @@ class CompletionRequest(GenerationFields):
     """POST /v1/completions. One prompt per request: text, or a list of token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's
     best_of: int | None = None
     suffix: str | None = None
 
@@ -327,13 +330,32 @@ class CompletionRequest(GenerationFields):
             raise ValueError("the prompt is empty")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_logprobs(cls, echo: bool | None, info: ValidationInfo) -> bool | None:
-        if echo and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs needs the prompt's logprobs, which this server does "
-                             "not compute; send one of them")
-        return echo
+    @model_validator(mode="after")
+    def _prompt_scoring(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it needs echo (and logprobs, for the prompt's)")
+        if self.stream and (self.scores_prompt or self.max_tokens == 0):
+            raise ValueError(f"{'echo with logprobs' if self.echo else 'prompt_logprobs'} is answered whole "
+                             "(the prompt's logprobs): send stream false")
+        return self
+
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """SamplingParams.prompt_logprobs: `echo` with `logprobs`, or vLLM's `prompt_logprobs`."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(wanted) if wanted else None
+
+    @property
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs_wanted is not None
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.max_tokens == 0 else self.max_tokens  # 0: one token run, none answered
+
+    def sampling_params(self, max_tokens: int, vocab_size: int,
+                        tool_grammar: StructuredSpec | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, vocab_size, tool_grammar)
+        return dataclasses.replace(params, prompt_logprobs=self.prompt_logprobs_wanted)
 
     @field_validator("best_of")
     @classmethod

@@ -37,6 +37,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), descending
+    rank: int | None = None  # the token's rank in its distribution (1: the most likely), where computed
 
 
 @dataclass

@@ -164,10 +164,12 @@ def _logprobs_of(logits: torch.Tensor, tokens: list[int], top: int, rows_at_once
     for i in range(0, len(tokens), rows_at_once):
         logp = torch.log_softmax(logits[i : i + rows_at_once].float(), dim=-1)
         ids = torch.tensor(tokens[i : i + rows_at_once], device=logp.device)
-        chosen = logp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        picked = logp.gather(1, ids.unsqueeze(1))  # [n, 1]
+        ranks = ((logp > picked).sum(dim=-1) + 1).tolist()
         values, top_ids = logp.topk(top, dim=-1) if top else (logp[:, :0], logp[:, :0].long())
-        for token, value, tv, ti in zip(tokens[i : i + rows_at_once], chosen, values.tolist(), top_ids.tolist()):
-            out.append(TokenLogprobs(token, value, list(zip(ti, tv))))
+        for token, value, rank, tv, ti in zip(tokens[i : i + rows_at_once], picked.squeeze(1).tolist(), ranks,
+                                              values.tolist(), top_ids.tolist()):
+            out.append(TokenLogprobs(token, value, list(zip(ti, tv)), rank))
     return out
 
 

@@ -71,6 +71,7 @@ COMPLETION_FIELDS = SHARED | {
     "prompt": ("honoured", OPENAI + "test_completion"),
     "logprobs": ("honoured", "test_logprobs::test_completion_logprobs"),
     "echo": ("honoured", "test_choices::test_echo_prepends_the_prompt"),
+    "prompt_logprobs": ("honoured", "test_prompt_logprobs::test_echo_with_logprobs_scores_the_prompt"),
     "best_of": ("refused", 3),
     "suffix": ("refused", "end"),
 }

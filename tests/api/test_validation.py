@@ -82,7 +82,9 @@ CASES = [
     ("empty prompt", COMPLETIONS, completion_body(prompt=""), 400, "prompt", "?"),
     ("token id out of vocabulary", COMPLETIONS, completion_body(prompt=[1, 10**9]), 400, "prompt", "invalid_token_id"),
     ("negative token id", COMPLETIONS, completion_body(prompt=[-1]), 400, "prompt", "invalid_token_id"),
-    ("echo with logprobs", COMPLETIONS, completion_body(echo=True, logprobs=1), 400, "echo", "?"),
+    ("echo with logprobs, streamed", COMPLETIONS, completion_body(echo=True, logprobs=1, stream=True), 400, "?", "?"),
+    ("max_tokens 0 without echo", COMPLETIONS, completion_body(max_tokens=0), 400, "?", "?"),
+    ("prompt_logprobs too many", COMPLETIONS, completion_body(prompt_logprobs=21), 400, "prompt_logprobs", "?"),
     ("unknown model", CHAT, chat_body() | {"model": "gpt-4o"}, 404, "model", "model_not_found"),
     ("unknown model, completions", COMPLETIONS, completion_body(model="x"), 404, "model", "model_not_found"),
 ]
