@@ -86,7 +86,7 @@ class DraftSequence(Protocol):
 
 @dataclass
 class SeqPlan:
-    """One sequence's part in a step, decided once by the engine's planner (`specdec.planner`).
+    """One sequence's part in a step, decided once by the engine's planner (`specdec.step.planner`).
 
     `cap` bounds every draft of the step (KV slots, max_tokens, the context); `num_draft` is what
     the draft model may propose (under early stop a cap: the proposer may stop sooner);

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from specdec.adaptive import ChunkSizer, SpeculationPolicy
+from specdec.step.adaptive import ChunkSizer, SpeculationPolicy
 from specdec.config import EngineConfig
 from specdec.draft import (
     DraftModelProposer, DraftOutput, HybridProposer, NgramProposer, Proposer, SamplingTensors, StepPlan,
@@ -18,14 +18,14 @@ from specdec.draft import (
 from specdec.expert_stats import ExpertStats
 from specdec import handoff
 from specdec.handoff import HandoffTicket, KVPayload, LeaseBook, import_payload
-from specdec.planner import StepPlanner
+from specdec.step.planner import StepPlanner
 from specdec.sampling_params import SamplingParams
-from specdec.scheduler import ChunkBudget, Scheduler
+from specdec.step.scheduler import ChunkBudget, Scheduler
 from specdec.sequence import RequestOutput, Sequence, StepDelta, TokenLogprobs, TokenOrigin
-from specdec.stopping import StopChecker, append_until_stop
+from specdec.step.stopping import StopChecker, append_until_stop
 from specdec.structured import GrammarCompiler
 from specdec.target.runner import ModelRunner
-from specdec.verifier import Verifier
+from specdec.step.verifier import Verifier
 from specdec.verify import AcceptanceStats
 from specdec.verify.controls import LogitControls
 

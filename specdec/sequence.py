@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from specdec.adaptive import AcceptanceEstimate
+from specdec.step.adaptive import AcceptanceEstimate
 from specdec.cache import BlockTable
 from specdec.sampling_params import SamplingParams
 from specdec.verify import AcceptanceStats

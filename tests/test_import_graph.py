@@ -26,8 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("specdec.target",)
 PROPOSERS = ("specdec.draft",)
 ENGINE = (
-    "specdec.engine", "specdec.scheduler", "specdec.adaptive", "specdec.sequence", "specdec.stopping",
-    "specdec.engine_parts",
+    "specdec.engine", "specdec.step", "specdec.sequence", "specdec.engine_parts",
 )
 FRONTS = ("specdec.api", "specdec.eval")
 LOADERS = ("specdec.target.model_weights", "specdec.target.model_files", "specdec.engine_parts")

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.adaptive import AcceptanceEstimate, CostTable, SpeculationPolicy, expected_tokens
+from specdec.step.adaptive import AcceptanceEstimate, CostTable, SpeculationPolicy, expected_tokens
 from specdec.sampling_params import SamplingParams
 
 from .conftest import PROMPTS, make_engine
@@ -149,7 +149,7 @@ def test_adaptive_engine_stops_drafting_when_the_draft_never_pays(pair):
 def test_a_batch_pays_its_whole_draft_catch_up_and_a_lone_sequence_a_few_rows(pair):
     """Under load the draft's prefill and catch-ups after pauses cost more than drafting won; a lone
     sequence must still get to draft (priced in full, a prompt's catch-up would keep it off)."""
-    from specdec.planner import MAX_PRICED_LAG
+    from specdec.step.planner import MAX_PRICED_LAG
 
     target, draft = pair
     engine = make_engine(target, draft, num_speculative_tokens=4, adaptive_k=True)
@@ -188,7 +188,7 @@ def test_steady_steps_keep_the_batchs_k_until_another_pays_enough():
     of a plain step, keeps the batch's k while the policy's best promises less than STEADY_MARGIN
     over it, takes the best once it does, and stops drafting as soon as plain decoding is expected
     to be faster."""
-    from specdec.planner import STEADY_MARGIN, STEADY_STEP_RATIO, StepPlanner
+    from specdec.step.planner import STEADY_MARGIN, STEADY_STEP_RATIO, StepPlanner
 
     class Seq:  # what the planner reads of a decoding sequence
         num_tokens, draft_table, num_pending, fills_only, num_draft_fill = 40, None, 1, False, 0
@@ -260,7 +260,7 @@ def test_chunk_sizer_keeps_steps_within_the_gap_ratio():
     """Decode steps of 150 ms (one row) and 50 ms per prompt token: at ratio 3, 6 tokens fill
     the 300 ms a step may add. A mixed step is charged only beyond a decode step with the same
     verify rows (a long speculative window is not the chunk's cost); dearer tokens shrink it."""
-    from specdec.adaptive import ChunkSizer
+    from specdec.step.adaptive import ChunkSizer
 
     sizer = ChunkSizer(gap_ratio=3.0, initial=8)
     sizer.observe(0.15, 0, verify_rows=1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.adaptive import CostTable, ExpertPricedCost, SpeculationPolicy
+from specdec.step.adaptive import CostTable, ExpertPricedCost, SpeculationPolicy
 from specdec.config import EngineConfig
 from specdec.draft import StepTimings
 from specdec.engine import Engine

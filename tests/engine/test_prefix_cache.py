@@ -8,7 +8,7 @@ draft's pool caches too; eviction, aborts of sharing requests, preemption and fp
 import pytest
 
 from specdec.sampling_params import SamplingParams
-from specdec.scheduler import MIN_PREFILL_CHUNK
+from specdec.step.scheduler import MIN_PREFILL_CHUNK
 
 from .conftest import make_engine
 
@@ -171,7 +171,7 @@ def test_a_running_stream_keeps_decoding_while_a_long_prompt_is_chunked(pair, re
 def test_a_lagging_draft_cache_catches_up_in_chunks(pair):
     """After many steps without drafting the draft cache lags far behind; it is fed in chunks
     beside the steps (no drafting meanwhile), never in one forward that would stall the stream."""
-    from specdec.planner import MAX_CATCH_UP, MAX_LONE_CATCH_UP
+    from specdec.step.planner import MAX_CATCH_UP, MAX_LONE_CATCH_UP
 
     target, draft = pair
     engine = make_engine(target, draft, num_speculative_tokens=3, adaptive_k=True, draft_stop_confidence=0.0)

@@ -3,7 +3,7 @@ newest sequence when a pool runs short, and never a crash on full memory."""
 
 from specdec.cache import BlockPool
 from specdec.sampling_params import SamplingParams
-from specdec.scheduler import ChunkBudget, Scheduler
+from specdec.step.scheduler import ChunkBudget, Scheduler
 from specdec.sequence import Sequence, SequenceStatus
 
 BLOCK = 4

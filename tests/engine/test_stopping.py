@@ -5,7 +5,7 @@ import pytest
 
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
-from specdec.stopping import StopChecker, append_until_stop
+from specdec.step.stopping import StopChecker, append_until_stop
 from specdec.testing import tiny_tokenizer
 
 

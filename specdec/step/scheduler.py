@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specdec.adaptive import ChunkSizer
+from specdec.step.adaptive import ChunkSizer
 from specdec.cache import BlockPool, BlockTable
 from specdec.handoff import free_partial
 from specdec.sequence import Sequence, SequenceStatus

@@ -29,9 +29,9 @@ num_draft 0, draft_fill 256 this step; the next step drafts 4.
 
 from __future__ import annotations
 
-from specdec.adaptive import SpeculationPolicy
+from specdec.step.adaptive import SpeculationPolicy
 from specdec.draft import SeqPlan, StepPlan
-from specdec.scheduler import Scheduler
+from specdec.step.scheduler import Scheduler
 from specdec.sequence import Sequence
 
 MAX_PRICED_LAG = 8  # a lone sequence's draft lag is priced up to this many rows
