@@ -54,6 +54,10 @@ def load_runner(path: Path, quant: str) -> tuple[ModelRunner, float]:
 def specdec_figures(runner: ModelRunner, repeats: int, rows_measured: tuple[int, ...] = ROWS) -> dict:
     """tg128, pp512, the row forwards (`rows_measured`) and the experts they read, of specdec's `runner`."""
     config = runner.model.config
+    need = max(512, PROMPT + 128, PROMPT + max(rows_measured, default=0))
+    if runner.max_positions < need:
+        raise ValueError(f"the model's context is {runner.max_positions} positions; these figures need {need} "
+                         f"(a 512-token prefill, 128 tokens decoded after {PROMPT})")
     ids = token_ids(PROMPT + 128 + 512, config.vocab_size)
 
     def fresh(n: int):
