@@ -425,7 +425,7 @@ class StepLog:
     (new requests, imported KV), stepping and handing the deltas out, the rows stepped, each
     sequence's tokens, the timed forwards (draft and verify: rows, seconds) and the Python garbage
     collector's pauses since the last line. What
-    `docs/results/issue36/steps.py` reads to tell slow steps from stalls around them."""
+    `git show 7336cd4c7a51:docs/results/issue36/steps.py` reads to tell slow steps from stalls around them."""
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a", buffering=1)

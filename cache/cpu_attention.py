@@ -34,7 +34,7 @@ def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
 # causal, masked and blocked kernels each round differently: a prompt prefilled in one chunk and
 # in several gave logits 0.5 apart, and the chunking follows the load). The default target's
 # prefill here runs at 0.87-1.15x SDPA's speed at 512 prompt tokens, 1.04x at 1,536 and 0.90-0.92x
-# at 3,000 (2 threads; `docs/results/issue36/prefill_ab.py`).
+# at 3,000 (2 threads; `git show 7336cd4c7a51:docs/results/issue36/prefill_ab.py`).
 MAX_QUERY_LEN = 64
 
 

@@ -92,7 +92,7 @@ def draft_default(spec: str | None) -> str:
     embedded default or a .gguf file), at every level: the file's exact weights, nothing
     re-quantized on a first load, and as fast as its int4 re-quantization (v0.21.0 at AVX-512
     VNNI: HumanEval 0.95-1.01x, ShareGPT 0.99x; v0.21.1 at AVX2, with Q5_0's 3-row passes:
-    HumanEval 1.00 / 0.94x, ShareGPT 1.07 / 1.01x, `docs/results/issue38/draft_quant_ab.sh`);
+    HumanEval 1.00 / 0.94x, ShareGPT 1.07 / 1.01x, `git show 7336cd4c7a51:docs/results/issue38/draft_quant_ab.sh`);
     "w4a8" for any draft that is not a GGUF."""
     gguf = spec == DEFAULT_DRAFT_SPEC or str(spec or "").lower().endswith(".gguf")
     return "gguf" if gguf else "w4a8"

@@ -2,7 +2,7 @@
 llguidance.
 
 Why llguidance (measured on the default pair's 151,936-token vocabulary, one core,
-`docs/results/issue16/bench_grammar.py`): a JSON schema's mask costs ~0.05 ms per token, as with
+`git show 7336cd4c7a51:docs/results/issue16/bench_grammar.py`): a JSON schema's mask costs ~0.05 ms per token, as with
 xgrammar, but a schema compiles in ~5 ms against xgrammar's ~130 ms (every request may bring a new
 schema), its matcher consumes a list of drafts and rolls them back in one call each, and it names
 the tokens the grammar forces (`compute_ff_tokens`), which grammar-forced drafting proposes for

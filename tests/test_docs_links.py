@@ -42,3 +42,15 @@ def test_the_docs_count_releases_by_version_not_by_work_period():
     hits = [f"{p.relative_to(ROOT)}:{n}" for p in DOCS for n, line in enumerate(p.read_text().splitlines(), 1)
             if re.search(r"\bsessions?\b", line, re.I) and not re.search(r"chat sessions?", line, re.I)]
     assert not hits, hits
+
+
+def test_no_sitting_scripts_under_docs_results():
+    """A results page names `specdec bench` / `python -m specdec.eval.*` commands; the one-off scripts
+    of earlier sittings were removed in 0.22.0 and are read with `git show <commit>:<path>`."""
+    scripts = [p.relative_to(ROOT) for p in (ROOT / "docs" / "results").rglob("*") if p.suffix in (".py", ".sh")]
+    assert not scripts, f"sitting scripts under docs/results (make them a command, or remove them): {scripts}"
+    named = re.compile(r"(?<!:)docs/results/[\w./-]+\.(?:py|sh)\b")
+    stale = [f"{p.relative_to(ROOT)}: {m}" for p in [*ROOT.glob("*/*.py"), *ROOT.glob("specdec/*/*.py"), *DOCS]
+             if p.name != "CHANGELOG.md"  # history: what each release had
+             for m in named.findall(p.read_text())]
+    assert not stale, f"named as if still there (say `git show <commit>:<path>`): {stale}"
