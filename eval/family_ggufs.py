@@ -85,7 +85,7 @@ def make_model(family: str, tokenizer, out: Path, seed: int = 0, shape: str = "t
         if family == "olmoe":  # as many k heads as q heads (above)
             widths["num_key_value_heads"] = widths["num_attention_heads"]
         if family == "phi4-mini":  # longrope's short factors to 4096, as Phi-4-mini ships: the speed
-            # figures run 672 positions, past a 256 original (where specdec stops the context, above)
+            # figures run 672 positions, and specdec stops a longrope context at its original length
             extra = {**extra, "original_max_position_embeddings": 4096,
                      "rope_parameters": {**extra["rope_parameters"], "original_max_position_embeddings": 4096}}
     widths = dict(vocab_size=len(tokenizer), **widths, max_position_embeddings=4096, rms_norm_eps=1e-6,
