@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 8
+#define SPECDEC_ABI_VERSION 9
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_SUPER 256         /* qgemm: inputs per k-quant super-block */
@@ -17,6 +17,9 @@
 #define SPECDEC_TILE_Q6_K 14      /* qgemm tile_bits of a GGUF Q6_K tile */
 #define SPECDEC_TILE_Q5_0 6       /* qgemm tile_bits of a GGUF Q5_0 tile (ggml's type id) */
 #define SPECDEC_TILE_Q8_0 24      /* qgemm tile_bits of a GGUF Q8_0 tile (ggml's 8 is the int8 tiles') */
+#define SPECDEC_TILE_Q4_0 2       /* qgemm tile_bits of a GGUF Q4_0 tile (ggml's type id) */
+#define SPECDEC_TILE_Q4_1 3       /* qgemm tile_bits of a GGUF Q4_1 tile */
+#define SPECDEC_TILE_Q5_K 13      /* qgemm tile_bits of a GGUF Q5_K tile */
 #define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
 #define SPECDEC_MAX_LATENT_DIM 1024 /* latent_attend: the widest latent (rank + rope) */
 #define SPECDEC_SHM_HEADER 4096   /* group_allreduce: the region's header (progress, process ids) */

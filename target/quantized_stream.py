@@ -18,7 +18,10 @@ bitwise the same. The LM head's input is recorded, its [T, V] output never compu
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,6 +83,9 @@ def stream_quantized(
                     keep_stats.update(measured)
             else:
                 layers.convert_in_order(bar)
+    if quant.file_blocks:
+        for line in layers.not_as_stored():
+            print(f"specdec: {line}", file=sys.stderr, flush=True)
     return model, layers.seconds
 
 
@@ -91,6 +97,9 @@ class _LayerLoader:
         self.model, self.reader, self.mode, self.dtype, self.part = model, reader, mode, dtype, part
         self.sources = param_sources(reader, [n for n, _ in model.named_parameters()], model.config)
         self.seconds = {"read": 0.0, "quantize": 0.0, "calibrate": 0.0}
+        # mode "gguf": the linears whose blocks no kernel reads as stored, by (GGUF type, why):
+        # [linear name, bytes in the file, bytes as converted (0 until converted)]
+        self.not_taken: dict[tuple[str, str], list[list]] = defaultdict(list)
 
     def fill(self, prefix: str) -> None:
         """Read the parameters under module `prefix` (float32); an embedding whose GGUF rows can
@@ -113,8 +122,8 @@ class _LayerLoader:
         self.seconds["read"] += time.perf_counter() - start
 
     def _take_file_blocks(self, prefix: str) -> None:
-        """The linears under `prefix` whose GGUF blocks the kernel reads as stored (Q4_K, Q6_K,
-        Q5_0, Q8_0 on whole tiles) become `QLinear`s of those tiles straight from the file: no
+        """The linears under `prefix` whose GGUF blocks the kernel reads as stored (Q4_K, Q5_K, Q6_K,
+        Q4_0, Q4_1, Q5_0, Q8_0 on whole tiles) become `QLinear`s of those tiles straight from the file: no
         float copy is made."""
         for name, module in list(self.model.named_modules()):
             if type(module) is not nn.Linear or getattr(module, "keep_dense", False) or not module.weight.is_meta:
@@ -124,6 +133,9 @@ class _LayerLoader:
             found = self.reader.blocks(self.sources[f"{name}.weight"])
             kind = None if found is None else kquant.GGML_KINDS.get(found[1])
             if kind is None or not kquant.fits(kind, module.out_features, module.in_features):
+                if found is not None:
+                    why = "no kernel yet" if kind is None else "off the 16-row tile grid"
+                    self.not_taken[(kquant.ggml_type_name(found[1]), why)].append([name, found[0].nbytes, 0])
                 continue
             bias = None if module.bias is None else self.reader.read(self.sources[f"{name}.bias"]).float()
             parent, _, attr = name.rpartition(".")
@@ -139,7 +151,27 @@ class _LayerLoader:
         with _plain_tensors():
             quantize_linears(self.model, self.mode, prefix)
             cast_dense(module, self.dtype)
+        for entries in self.not_taken.values():
+            for entry in entries:
+                if entry[0] == prefix or entry[0].startswith(prefix + "."):
+                    entry[2] = _module_bytes(self.model.get_submodule(entry[0]))
         self.seconds["quantize"] += time.perf_counter() - start
+
+    def not_as_stored(self) -> list[str]:
+        """One line per GGUF type whose linears were converted instead of read as stored: the
+        type, why, which tensors, and the bytes they take in the file and as converted."""
+        lines = []
+        for (type_name, why), entries in sorted(self.not_taken.items()):
+            names = sorted({re.sub(r"^model\.layers\.\d+\.", "", e[0]) for e in entries})
+            layers = {m.group(1) for e in entries if (m := re.match(r"^model\.layers\.(\d+)\.", e[0]))}
+            where = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            if layers:
+                where += f" in {len(layers)} layer{'s' if len(layers) > 1 else ''}"
+            file_mb, now_mb = sum(e[1] for e in entries) / 1e6, sum(e[2] for e in entries) / 1e6
+            lines.append(f"{len(entries)} {type_name} tensor{'s' if len(entries) > 1 else ''} ({where}): {why}, "
+                         f"re-quantized as w4a8-auto does (int4 / int8 tiles): {now_mb:.1f} MB where the file "
+                         f"holds {file_mb:.1f} MB")
+        return lines
 
     def convert_in_order(self, bar: tqdm) -> None:
         """Without calibration: every part in turn."""
@@ -231,6 +263,12 @@ class _RecordedHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], 0)
+
+
+def _module_bytes(module: nn.Module) -> int:
+    """The bytes a forward of `module` reads: its parameters and buffers."""
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
 @contextlib.contextmanager

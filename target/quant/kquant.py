@@ -18,18 +18,34 @@ import numpy as np
 import torch
 
 from specdec import native
-from specdec.kernel_abi import GROUP, SUPER, TILE, TILE_Q4_K, TILE_Q5_0, TILE_Q6_K, TILE_Q8_0, raise_for_status
+from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K, TILE_Q6_K,
+                                TILE_Q8_0, raise_for_status)
 
 # bytes per block of BLOCK_INPUTS weights in the file and in a tile (per output channel): equal
-BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q6_K: 210, TILE_Q5_0: 22, TILE_Q8_0: 34}
-BLOCK_INPUTS = {TILE_Q4_K: SUPER, TILE_Q6_K: SUPER, TILE_Q5_0: GROUP, TILE_Q8_0: GROUP}
+BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q5_K: 176, TILE_Q6_K: 210, TILE_Q5_0: 22, TILE_Q4_0: 18, TILE_Q4_1: 20, TILE_Q8_0: 34}
+BLOCK_INPUTS = {TILE_Q4_K: SUPER, TILE_Q5_K: SUPER, TILE_Q6_K: SUPER, TILE_Q5_0: GROUP, TILE_Q4_0: GROUP,
+                TILE_Q4_1: GROUP, TILE_Q8_0: GROUP}
 # ggml's type id of a GGUF tensor -> the tile kind that holds its blocks as stored
-GGML_KINDS = {12: TILE_Q4_K, 14: TILE_Q6_K, 6: TILE_Q5_0, 8: TILE_Q8_0}
+GGML_KINDS = {12: TILE_Q4_K, 13: TILE_Q5_K, 14: TILE_Q6_K, 6: TILE_Q5_0, 2: TILE_Q4_0, 3: TILE_Q4_1, 8: TILE_Q8_0}
+KIND_NAMES = {TILE_Q4_K: "Q4_K", TILE_Q5_K: "Q5_K", TILE_Q6_K: "Q6_K", TILE_Q5_0: "Q5_0", TILE_Q4_0: "Q4_0",
+              TILE_Q4_1: "Q4_1", TILE_Q8_0: "Q8_0"}
+BLOCK32_KINDS = frozenset((TILE_Q5_0, TILE_Q4_0, TILE_Q4_1))  # block32_tiles.h's: d (and m) per 32, then nibbles
 # kinds whose activations the kernel quantizes per 256 inputs (Q8_K); the others per 32, as int4 / int8
 SUPER_KINDS = frozenset(k for k, n in BLOCK_INPUTS.items() if n == SUPER)
 ROWS_PER_CHUNK = 4096  # output channels repacked at once by torch: ~10 MB of temporaries for K = 1536
 # the same packing in C (plain C, any x86-64): ~1 GB/s where torch's ops manage 60-150 MB/s
 PACKER = native.NativeKernel((Path(__file__).with_name("kquant_pack.c"),), (), (), ("kquant_pack", "gguf_rows"))
+
+
+def ggml_type_name(ggml_type: int) -> str:
+    """A GGUF tensor type's name as llama.cpp writes it ("Q3_K", "IQ4_XS", "BF16"); the number where gguf
+    does not know it."""
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"type {ggml_type}"
 
 
 def tile_bytes(kind: int, in_features: int) -> int:
@@ -61,7 +77,8 @@ def pack_kquant(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor:
 def pack_kquant_torch(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor:
     """`pack_kquant` in torch ops (the reference the C packer is tested against)."""
     n = raw.shape[0]
-    pack = {TILE_Q4_K: _pack_q4_k, TILE_Q6_K: _pack_q6_k, TILE_Q5_0: _pack_q5_0, TILE_Q8_0: _pack_q8_0}[kind]
+    pack = {TILE_Q4_K: _pack_q4_k, TILE_Q5_K: _pack_q5_k, TILE_Q6_K: _pack_q6_k, TILE_Q5_0: _pack_q5_0,
+            TILE_Q4_0: _pack_q4_0, TILE_Q4_1: _pack_q4_1, TILE_Q8_0: _pack_q8_0}[kind]
     return torch.cat([pack(_rows(raw[r : r + ROWS_PER_CHUNK])) for r in range(0, n, ROWS_PER_CHUNK)])
 
 
@@ -97,6 +114,15 @@ def q4_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return q, sc, m, d, dmin
 
 
+def q5_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q5_K `[n, S, 176]` (d, dmin, scales[12] as Q4_K's, qh[32], qs[128]) -> q4_k_parts' tuple with
+    q 0..31: bit 2g + h of qh[l] is the top bit of weight 64 g + 32 h + l."""
+    n, s = blocks.shape[:2]
+    low, sc, m, d, dmin = q4_k_parts(torch.cat((blocks[..., :16], blocks[..., 48:]), -1))
+    qh = blocks[..., 16:48].unsqueeze(2) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)  # [n, S, 2g + h, l]
+    return low | ((qh & 1) << 4).reshape(n, 256 * s), sc, m, d, dmin
+
+
 def q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q6_K `[n, S, 210]` -> q `[n, 256 S]` 0..63, sc `[n, S, 16]` int8, d `[n, S]` fp16 bits."""
     n, s = blocks.shape[:2]
@@ -121,7 +147,10 @@ def _fp16_bytes(v: torch.Tensor) -> torch.Tensor:  # [N, S] int16 -> [N/16, S, 3
 
 
 def _pack_q4_k(rows: torch.Tensor) -> torch.Tensor:
-    q, sc, m, d, dmin = q4_k_parts(_blocks(rows, TILE_Q4_K))
+    return _pack_q4_k_parts(*q4_k_parts(_blocks(rows, TILE_Q4_K)))
+
+
+def _pack_q4_k_parts(q, sc, m, d, dmin) -> torch.Tensor:
     t, s = q.shape[0] // TILE, q.shape[1] // SUPER
     weights = _int4_layout(q).view(t, s, 2048)
     sc_t, m_t = _per_tile(sc), _per_tile(m)  # [t, S, 8, 16]
@@ -129,6 +158,22 @@ def _pack_q4_k(rows: torch.Tensor) -> torch.Tensor:
     hi = ((sc_t >> 4) | ((m_t >> 4) << 2)).view(t, s, 4, 2, 16)  # [t, S, j/2, j odd, n]
     top = (hi[:, :, :, 0] | (hi[:, :, :, 1] << 4)).view(t, s, 64)
     return torch.cat((weights, low, top, _fp16_bytes(d), _fp16_bytes(dmin)), -1).reshape(-1)
+
+
+def _pack_q5_k(rows: torch.Tensor) -> torch.Tensor:
+    """Q4_K's super-block of the low nibbles, then per sub-block of 32 the top bits in Q5_0's plane."""
+    q, sc, m, d, dmin = q5_k_parts(_blocks(rows, TILE_Q5_K))
+    t, s = q.shape[0] // TILE, q.shape[1] // SUPER
+    head = _pack_q4_k_parts(q & 15, sc, m, d, dmin).view(t, s, 2304)
+    return torch.cat((head, _top_plane(q).view(t, s, 512)), -1).reshape(-1)
+
+
+def _top_plane(q: torch.Tensor) -> torch.Tensor:
+    """`q [N, K]` -> `[N/16, K/32, 64]`: per 32 inputs, bit 2b + h of byte 4n + i = the top bit (bit 4)
+    of q[n][32 g + 8 b + 4 h + i] (Q5_0's and Q5_K's plane)."""
+    t, g = q.shape[0] // TILE, q.shape[1] // GROUP
+    hi = (q >> 4).view(t, TILE, g, 4, 2, 4).permute(0, 2, 1, 5, 3, 4).reshape(t, g, 64, 8)
+    return (hi << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
 
 
 def _pack_q6_k(rows: torch.Tensor) -> torch.Tensor:
@@ -158,10 +203,28 @@ def _pack_q5_0(rows: torch.Tensor) -> torch.Tensor:
     q, d = q5_0_parts(_blocks(rows, TILE_Q5_0))
     t, g = q.shape[0] // TILE, q.shape[1] // GROUP
     low = _int4_layout(q & 15).view(t, g, 256)
-    # byte 4n + i of a group's 64: bit 2b + h = the top bit of q[n][32 g + 8 b + 4 h + i]
-    hi = (q >> 4).view(t, TILE, g, 4, 2, 4).permute(0, 2, 1, 5, 3, 4).reshape(t, g, 64, 8)
-    top = (hi << torch.arange(8, dtype=torch.uint8)).sum(-1, dtype=torch.uint8)
-    return torch.cat((low, top, _fp16_bytes(d)), -1).reshape(-1)
+    return torch.cat((low, _top_plane(q), _fp16_bytes(d)), -1).reshape(-1)
+
+
+def q4_0_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_0 `[n, G, 18]` (d, qs[16]) or Q4_1 `[n, G, 20]` (d, m, qs[16]) -> q `[n, 32 G]` 0..15
+    (weights 0-15 in the low nibbles, 16-31 high), d and m (Q4_1; else None) `[n, G]` fp16 bits."""
+    n, g, nbytes = blocks.shape
+    d = blocks[..., 0:2].contiguous().view(torch.int16).view(n, g)
+    m = blocks[..., 2:4].contiguous().view(torch.int16).view(n, g) if nbytes == 20 else None
+    qs = blocks[..., nbytes - 16 :]
+    return torch.cat((qs & 0x0F, qs >> 4), -1).reshape(n, 32 * g), d, m
+
+
+def _pack_q4_0(rows: torch.Tensor, kind: int = TILE_Q4_0) -> torch.Tensor:
+    q, d, m = q4_0_parts(_blocks(rows, kind))
+    t, g = q.shape[0] // TILE, q.shape[1] // GROUP
+    parts = [_int4_layout(q).view(t, g, 256), _fp16_bytes(d)] + ([] if m is None else [_fp16_bytes(m)])
+    return torch.cat(parts, -1).reshape(-1)
+
+
+def _pack_q4_1(rows: torch.Tensor) -> torch.Tensor:
+    return _pack_q4_0(rows, TILE_Q4_1)
 
 
 def _pack_q8_0(rows: torch.Tensor) -> torch.Tensor:
@@ -176,7 +239,7 @@ def _pack_q8_0(rows: torch.Tensor) -> torch.Tensor:
 def dequantize_tiles(tiles: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
     """The weights `[16 * tiles, K]` fp32 that `tiles` of one GGUF kind hold (tests, reports):
     read back from the tile layout, so a packing error shows as a difference from the file's."""
-    if kind in (TILE_Q5_0, TILE_Q8_0):
+    if kind in BLOCK32_KINDS or kind == TILE_Q8_0:
         return _dequantize_block32(tiles, kind, in_features)
     s = in_features // SUPER
     per = tile_bytes(kind, in_features) // s
@@ -189,8 +252,10 @@ def dequantize_tiles(tiles: torch.Tensor, kind: int, in_features: int) -> torch.
     def fp16(v: torch.Tensor) -> torch.Tensor:  # [t, S, 32] bytes -> [16 t, S, 1] fp32
         return untile(v.contiguous().view(torch.float16).view(t, s, 1, TILE)).float()
 
-    if kind == TILE_Q4_K:
+    if kind in (TILE_Q4_K, TILE_Q5_K):
         q = _from_int4_layout(b[..., :2048].reshape(t, -1, 64))
+        if kind == TILE_Q5_K:
+            q = q | (_from_top_plane(b[..., 2304:].reshape(t, s * 8, 64)) << 4)
         low = b[..., 2048:2176].reshape(t, s, 8, 16)
         top = b[..., 2176:2240].reshape(t, s, 4, 1, 16) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
         top = top.reshape(t, s, 8, 16)
@@ -218,10 +283,21 @@ def _dequantize_block32(tiles: torch.Tensor, kind: int, in_features: int) -> tor
         q = b[..., :512].reshape(t, g, 8, TILE, 4).permute(0, 3, 1, 2, 4).float() - 128
         return (d * q.reshape(t * TILE, g, GROUP)).reshape(-1, in_features)
     low = _from_int4_layout(b[..., :256].reshape(t, -1, 64))  # [16 t, K]
-    bits = (b[..., 256:320].reshape(t, g, TILE, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [t, G, n, i, 2b + h]
-    high = bits.view(t, g, TILE, 4, 4, 2).permute(0, 2, 1, 4, 5, 3).reshape(t * TILE, in_features)
-    q = (low | (high << 4)).float() - 16
-    return (d * q.view(t * TILE, g, GROUP)).reshape(-1, in_features)
+    if kind == TILE_Q5_0:
+        q = (low | (_from_top_plane(b[..., 256:320]) << 4)).float() - 16
+    else:
+        q = low.float() - (8 if kind == TILE_Q4_0 else 0)
+        d = b[..., 256:288].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g, 1).float()
+    w = d * q.view(t * TILE, g, GROUP)
+    if kind == TILE_Q4_1:
+        w = w + b[..., 288:320].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g, 1).float()
+    return w.reshape(-1, in_features)
+
+
+def _from_top_plane(plane: torch.Tensor) -> torch.Tensor:  # [t, G, 64] -> the top bits [16 t, 32 G] (`_top_plane`)
+    t, g = plane.shape[:2]
+    bits = (plane.reshape(t, g, TILE, 4, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # [t, G, n, i, 2b + h]
+    return bits.view(t, g, TILE, 4, 4, 2).permute(0, 2, 1, 4, 5, 3).reshape(t * TILE, g * GROUP)
 
 
 def _from_int4_layout(blocks: torch.Tensor) -> torch.Tensor:  # [t, K/8, 64] -> q [16 t, K] uint8

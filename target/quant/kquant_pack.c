@@ -1,4 +1,4 @@
-/* GGUF Q4_K / Q6_K / Q5_0 / Q8_0 rows -> qgemm's tiles of those formats (the layouts of
+/* GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q4_0 / Q4_1 / Q8_0 rows -> qgemm's tiles of those formats (the layouts of
  * kquant_tiles.h and block32_tiles.h), byte for byte what `kquant.py`'s torch packer makes
  * (tested), ~50x faster: the default target's 0.98 GB of blocks repack in well under a second
  * instead of ~10 s. Plain C: a reshuffle of bytes. */
@@ -22,13 +22,13 @@ static void scale_min_k4(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
     }
 }
 
-/* the 256 quants (0..15) of a Q4_K block */
-static void q4_k_values(const uint8_t *block, uint8_t *q) {
-    const uint8_t *qs = block + 16;
+/* the 256 quants of a Q4_K block (0..15) or, `five`, a Q5_K block's (0..31: qh at 16, qs at 48) */
+static void k_values(const uint8_t *block, int five, uint8_t *q) {
+    const uint8_t *qs = block + (five ? 48 : 16), *qh = block + 16;
     for (int g = 0; g < 4; g++)
         for (int l = 0; l < 32; l++) {
-            q[64 * g + l] = qs[32 * g + l] & 15;
-            q[64 * g + 32 + l] = qs[32 * g + l] >> 4;
+            q[64 * g + l] = (uint8_t)((qs[32 * g + l] & 15) | (five ? ((qh[l] >> (2 * g)) & 1) << 4 : 0));
+            q[64 * g + 32 + l] = (uint8_t)((qs[32 * g + l] >> 4) | (five ? ((qh[l] >> (2 * g + 1)) & 1) << 4 : 0));
         }
 }
 
@@ -46,14 +46,23 @@ static void q6_k_values(const uint8_t *block, uint8_t *q) {
         }
 }
 
-/* one super-block of one tile: the 16 rows' blocks `rows[n]` -> `out` */
-static void pack_q4_k_super(const uint8_t *const *rows, uint8_t *out) {
+/* one super-block of one tile: the 16 rows' blocks `rows[n]` -> `out`; `five`: Q5_K blocks, whose
+ * top bits follow at 2304 in Q5_0's plane per 32 inputs (byte 64 j + 4n + i, bit 2b + h: the top
+ * bit of q[n][32 j + 8 b + 4 h + i]) */
+static void pack_k_super(const uint8_t *const *rows, int five, uint8_t *out) {
     memset(out + 2176, 0, 64);
+    if (five) memset(out + 2304, 0, 512);
     for (int n = 0; n < TILE; n++) {
         uint8_t q[SUPER];
-        q4_k_values(rows[n], q);
+        k_values(rows[n], five, q);
+        if (five)
+            for (int j = 0; j < 8; j++)
+                for (int b = 0; b < 4; b++)
+                    for (int h = 0; h < 2; h++)
+                        for (int i = 0; i < 4; i++)
+                            out[2304 + 64 * j + 4 * n + i] |= (uint8_t)((q[32 * j + 8 * b + 4 * h + i] >> 4) << (2 * b + h));
         for (int b = 0; b < 32; b++)
-            for (int i = 0; i < 4; i++) out[64 * b + 4 * n + i] = (uint8_t)(q[8 * b + i] | (q[8 * b + 4 + i] << 4));
+            for (int i = 0; i < 4; i++) out[64 * b + 4 * n + i] = (uint8_t)((q[8 * b + i] & 15) | (q[8 * b + 4 + i] & 15) << 4);
         for (int j = 0; j < 8; j++) {
             uint8_t sc, m;
             scale_min_k4(j, rows[n] + 4, &sc, &m);
@@ -115,11 +124,27 @@ static void pack_q5_0_group(const uint8_t *const *rows, uint8_t *out) {
     }
 }
 
+/* one 32-input group of a Q4_0 (`m` 0) or Q4_1 tile: the nibbles in the int4 layout, d[16], m[16] */
+static void pack_q4_01_group(const uint8_t *const *rows, int m, uint8_t *out) {
+    for (int n = 0; n < TILE; n++) {
+        const uint8_t *blk = rows[n], *qs = blk + (m ? 4 : 2);
+        uint8_t q[GROUP];
+        for (int j = 0; j < 16; j++) q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4;
+        for (int b = 0; b < 4; b++)
+            for (int i = 0; i < 4; i++) out[64 * b + 4 * n + i] = (uint8_t)(q[8 * b + i] | q[8 * b + 4 + i] << 4);
+        memcpy(out + 256 + 2 * n, blk, 2); /* d */
+        if (m) memcpy(out + 288 + 2 * n, blk + 2, 2);
+    }
+}
+
 /* the inputs and file bytes of one block of `kind`; 0 for a kind this file does not read */
 static int block_geometry(int kind, int64_t *inputs, int64_t *block) {
     switch (kind) {
         case SPECDEC_TILE_Q4_K: *inputs = SUPER, *block = 144; return 1;
+        case SPECDEC_TILE_Q5_K: *inputs = SUPER, *block = 176; return 1;
         case SPECDEC_TILE_Q6_K: *inputs = SUPER, *block = 210; return 1;
+        case SPECDEC_TILE_Q4_0: *inputs = GROUP, *block = 18; return 1;
+        case SPECDEC_TILE_Q4_1: *inputs = GROUP, *block = 20; return 1;
         case SPECDEC_TILE_Q5_0: *inputs = GROUP, *block = 22; return 1;
         case SPECDEC_TILE_Q8_0: *inputs = GROUP, *block = 34; return 1;
         default: return 0;
@@ -127,7 +152,7 @@ static int block_geometry(int kind, int64_t *inputs, int64_t *block) {
 }
 
 /* raw [n, k / inputs per block * block bytes] (rows `row_stride` bytes apart) of `kind`
- * (SPECDEC_TILE_Q4_K, _Q6_K, _Q5_0 or _Q8_0) -> out [n / 16 tiles of their blocks] in the tile
+ * (a SPECDEC_TILE_ kind block_geometry knows) -> out [n / 16 tiles of their blocks] in the tile
  * layout of that kind. SPECDEC_ERR_INVALID_ARGUMENT for sizes off the tile grid or another kind. */
 int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, int kind, uint8_t *out, int threads) {
     int64_t inputs, block; /* per block: inputs, bytes in the file */
@@ -143,7 +168,10 @@ int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, in
         for (int r = 0; r < TILE; r++) rows[r] = raw + (t * TILE + r) * row_stride + s * block;
         uint8_t *dst = out + idx * bytes;
         switch (kind) {
-            case SPECDEC_TILE_Q4_K: pack_q4_k_super(rows, dst); break;
+            case SPECDEC_TILE_Q4_K: pack_k_super(rows, 0, dst); break;
+            case SPECDEC_TILE_Q5_K: pack_k_super(rows, 1, dst); break;
+            case SPECDEC_TILE_Q4_0: pack_q4_01_group(rows, 0, dst); break;
+            case SPECDEC_TILE_Q4_1: pack_q4_01_group(rows, 1, dst); break;
             case SPECDEC_TILE_Q6_K: pack_q6_k_super(rows, dst); break;
             case SPECDEC_TILE_Q5_0: pack_q5_0_group(rows, dst); break;
             default: pack_q8_0_group(rows, dst); break;
@@ -183,7 +211,7 @@ static void store_value(void *out, int out_bf16, int64_t i, float v) {
                                                            : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* Rows `ids` [n] of a GGUF tensor of `kind` (SPECDEC_TILE_Q4_K, _Q6_K, _Q5_0 or _Q8_0) whose rows
+/* Rows `ids` [n] of a GGUF tensor of `kind` (a SPECDEC_TILE_ kind block_geometry knows) whose rows
  * of k values lie `row_stride` bytes apart in `raw` (rows rows in all) -> out [n, k], fp32 or (out_bf16)
  * bf16 rounded to nearest even: an embedding lookup. The values are gguf_dequant.py's (ggml's)
  * exactly: every product of a scale and a quant is exact in fp32, so only the final add rounds.
@@ -202,9 +230,9 @@ int gguf_rows(const uint8_t *raw, int64_t row_stride, int64_t rows, const int64_
         for (int64_t b = 0; b < k / inputs; b++) {
             const uint8_t *blk = row + b * block;
             const int64_t at = r * k + b * inputs;
-            if (kind == SPECDEC_TILE_Q4_K) {
+            if (kind == SPECDEC_TILE_Q4_K || kind == SPECDEC_TILE_Q5_K) {
                 const float d = f16_at(blk), dmin = f16_at(blk + 2);
-                q4_k_values(blk, q);
+                k_values(blk, kind == SPECDEC_TILE_Q5_K, q);
                 for (int j = 0; j < 8; j++) {
                     uint8_t sc, m;
                     scale_min_k4(j, blk + 4, &sc, &m);
@@ -224,6 +252,15 @@ int gguf_rows(const uint8_t *raw, int64_t row_stride, int64_t rows, const int64_
                 for (int j = 0; j < 16; j++) {
                     store_value(out, out_bf16, at + j, d * (float)((int)((blk[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16));
                     store_value(out, out_bf16, at + 16 + j, d * (float)((int)((blk[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16));
+                }
+            } else if (kind == SPECDEC_TILE_Q4_0 || kind == SPECDEC_TILE_Q4_1) { /* d * (q - 8); d * q + m */
+                const int q41 = kind == SPECDEC_TILE_Q4_1;
+                const float d = f16_at(blk), m = q41 ? f16_at(blk + 2) : 0.0f;
+                const uint8_t *qs = blk + (q41 ? 4 : 2);
+                for (int j = 0; j < 16; j++) {
+                    const int a = qs[j] & 15, b = qs[j] >> 4;
+                    store_value(out, out_bf16, at + j, q41 ? d * (float)a + m : d * (float)(a - 8));
+                    store_value(out, out_bf16, at + 16 + j, q41 ? d * (float)b + m : d * (float)(b - 8));
                 }
             } else {
                 const float d = f16_at(blk);

@@ -17,6 +17,9 @@
  *   Q4_K (2304 = 16 x 144): 32 blocks of 64 B in the int4 tiles' layout (byte 4n+i: q[n][8b+i] |
  *     q[n][8b+4+i] << 4); 128 B [j][n]: sc_j & 15 | (m_j & 15) << 4; 64 B [j/2][n]: the top two
  *     bits of sc_j, m_j at bits 0-1, 2-3 for even j and 4-5, 6-7 for odd j; d[16], dmin[16] fp16.
+ *   Q5_K (2816 = 16 x 176): Q4_K's 2304 bytes (its low nibbles), then per sub-block j of 32 inputs
+ *     64 B of top bits in block32_tiles.h's Q5_0 plane (byte 4n+i, bit 2b+h: the top bit of
+ *     q[n][32j+8b+4h+i]); w = d * sc_j * q - dmin * m_j with q 0..31, computed as Q4_K's.
  *   Q6_K (3360 = 16 x 210): 32 blocks of 96 B: 64 B low nibbles as Q4_K's, then 32 B of top bits
  *     (bits 2v, 2v+1 of byte i: the top two bits of value i of the block's vector v, v = 0..3 the
  *     32-byte vectors low nibbles of bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63);
@@ -25,6 +28,7 @@
 
 #define SUPER 256
 #define Q4K_SUPER_BYTES 2304
+#define Q5K_SUPER_BYTES 2816
 #define Q6K_SUPER_BYTES 3360
 /* Rows per register pass over a tile: their sums and the weights about fill the ymm registers. 4:
  * a 4-row verify window in one pass, not 3 + 1 (`kernel_ab.py` at avx2: Q4_K 1.13-1.16x, Q6_K
@@ -114,36 +118,55 @@ static inline __attribute__((always_inline)) void q4k_scale_rows(__m256 d0, __m2
     }
 }
 
-/* R <= KQUANT_PASS rows (xq `k` apart, consts `supers` apart) against a Q4_K tile: lo[r], hi[r]
- * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. */
+/* bit s (0..7) of every byte of t moved to bit 4, the rest cleared (as block32_tiles.h's b32_top) */
+static inline __attribute__((always_inline)) __m256i k5_top(__m256i t, int s) {
+    const __m256i bit4 = _mm256_set1_epi8(0x10);
+    return _mm256_and_si256(s <= 4 ? _mm256_slli_epi16(t, 4 - s) : _mm256_srli_epi16(t, s - 4), bit4);
+}
+
+/* R <= KQUANT_PASS rows (xq `k` apart, consts `supers` apart) against a Q4_K tile or, `five`, a Q5_K
+ * tile: lo[r], hi[r] receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. A sub-block's
+ * products sum in int16 over its 4 blocks (Q4_K) or 2 (Q5_K: at most 2 x 2 x 2 x 31 x 127 = 31496)
+ * before its scales multiply them: the same integers either way. */
 static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, int64_t ahead, int64_t supers,
-                                                          const int8_t *xq, const struct super_consts *sc,
+                                                          const int five, const int8_t *xq, const struct super_consts *sc,
                                                           int64_t k, const int R, __m256 *lo, __m256 *hi) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const int bytes = five ? Q5K_SUPER_BYTES : Q4K_SUPER_BYTES, share = bytes / 8;
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
-        const uint8_t *p = tile + s * Q4K_SUPER_BYTES;
+        const uint8_t *p = tile + s * bytes;
         __m128i scs[8], mins[8];
         for (int j = 0; j < 8; j++) q4k_scales(p + 2048, j, &scs[j], &mins[j]);
         __m256i i0[KQUANT_PASS], i1[KQUANT_PASS], m0[KQUANT_PASS], m1[KQUANT_PASS];
         for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
-            for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
-                _mm_prefetch((const char *)p + ahead + 288 * j + 64 * line, _MM_HINT_T0);
+            for (int line = 0; line < (share + 63) / 64; line++) /* a sub-block's share of the super-block */
+                _mm_prefetch((const char *)p + ahead + share * j + 64 * line, _MM_HINT_T0);
+            const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
+            __m256i t0 = _mm256_setzero_si256(), t1 = t0;
+            if (five)
+                t0 = _mm256_loadu_si256((const __m256i *)(p + 2304 + 64 * j)), t1 = _mm256_loadu_si256((const __m256i *)(p + 2336 + 64 * j));
             __m256i a0[KQUANT_PASS], a1[KQUANT_PASS];
             for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_si256();
             for (int b = 0; b < 4; b++) {
                 const uint8_t *w = p + 64 * (4 * j + b);
                 const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
-                const __m256i l0 = _mm256_and_si256(v0, nibble), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
-                const __m256i l1 = _mm256_and_si256(v1, nibble), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+                __m256i l0 = _mm256_and_si256(v0, nibble), h0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble);
+                __m256i l1 = _mm256_and_si256(v1, nibble), h1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+                if (five) {
+                    l0 = _mm256_or_si256(l0, k5_top(t0, 2 * b)), l1 = _mm256_or_si256(l1, k5_top(t1, 2 * b));
+                    h0 = _mm256_or_si256(h0, k5_top(t0, 2 * b + 1)), h1 = _mm256_or_si256(h1, k5_top(t1, 2 * b + 1));
+                }
                 for (int r = 0; r < R; r++)
                     KQ_ROW16(a0[r], a1[r], l0, l1, h0, h1, xq + r * k + s * SUPER + 32 * j + 8 * b);
-            }
-            const __m256i sc0 = pairs16_lo(scs[j], 0), sc1 = pairs16_hi(scs[j], 0);
-            for (int r = 0; r < R; r++) {
-                i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(a0[r], sc0));
-                i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(a1[r], sc1));
+                if (b == 3 || (five && b == 1)) {
+                    for (int r = 0; r < R; r++) {
+                        i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(a0[r], sc0));
+                        i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(a1[r], sc1));
+                        a0[r] = a1[r] = _mm256_setzero_si256();
+                    }
+                }
             }
         }
         for (int r = 0; r < R; r++) m0[r] = m1[r] = _mm256_setzero_si256();
@@ -231,26 +254,35 @@ static inline __m512i zip16_wide(__m128i a, __m128i b, int sign) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(zip16_lo(a, b, sign)), zip16_hi(a, b, sign), 1);
 }
 
-/* acc[r] = R <= MAX_ROWS rows (xq `k` apart, consts `supers` apart) times a Q4_K tile */
+static inline __attribute__((always_inline)) __m512i k5_top_wide(__m512i t, int s) {
+    const __m512i bit4 = _mm512_set1_epi8(0x10);
+    return _mm512_and_si512(s <= 4 ? _mm512_slli_epi16(t, 4 - s) : _mm512_srli_epi16(t, s - 4), bit4);
+}
+
+/* acc[r] = R <= MAX_ROWS rows (xq `k` apart, consts `supers` apart) times a Q4_K tile (`five`: Q5_K) */
 static inline __attribute__((always_inline)) void q4k_rows_wide(const uint8_t *tile, int64_t ahead, int64_t supers,
-                                                               const int8_t *xq, const struct super_consts *sc,
-                                                               int64_t k, const int R, __m512 *acc) {
+                                                               const int five, const int8_t *xq,
+                                                               const struct super_consts *sc, int64_t k, const int R,
+                                                               __m512 *acc) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const int bytes = five ? Q5K_SUPER_BYTES : Q4K_SUPER_BYTES, share = bytes / 8;
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
-        const uint8_t *p = tile + s * Q4K_SUPER_BYTES;
+        const uint8_t *p = tile + s * bytes;
         const int8_t *xs0 = xq + s * SUPER;
         __m512i i[MAX_ROWS], m[MAX_ROWS];
         __m128i mins[8];
         for (int r = 0; r < R; r++) i[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
-            for (int line = 0; line < 5; line++) /* 288 bytes a sub-block: the super-block's share */
-                _mm_prefetch((const char *)p + ahead + 288 * j + 64 * line, _MM_HINT_T0);
+            for (int line = 0; line < (share + 63) / 64; line++) /* a sub-block's share of the super-block */
+                _mm_prefetch((const char *)p + ahead + share * j + 64 * line, _MM_HINT_T0);
             __m512i a[MAX_ROWS];
             for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+            const __m512i t = five ? _mm512_loadu_si512((const void *)(p + 2304 + 64 * j)) : _mm512_setzero_si512();
             for (int b = 0; b < 4; b++) {
                 const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (4 * j + b)));
-                const __m512i l = _mm512_and_si512(w, nibble), h = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                __m512i l = _mm512_and_si512(w, nibble), h = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+                if (five) l = _mm512_or_si512(l, k5_top_wide(t, 2 * b)), h = _mm512_or_si512(h, k5_top_wide(t, 2 * b + 1));
                 for (int r = 0; r < R; r++) {
                     DPBUSD_BCST(a[r], l, xs0 + r * k + 32 * j + 8 * b);
                     DPBUSD_BCST(a[r], h, xs0 + r * k + 32 * j + 8 * b + 4);
@@ -346,9 +378,10 @@ static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_
 /* Decode super-block s of a k-quant tile of `kind` into q (KQUANT_UNPACKED_MAX bytes, 64-byte
  * aligned): what q4k_rows / q6k_rows compute in registers, stored. */
 static void kquant_unpack(int kind, const uint8_t *tile, int64_t s, uint8_t *q) {
-    const int q4 = kind == SPECDEC_TILE_Q4_K;
-    const uint8_t *p = tile + s * (q4 ? Q4K_SUPER_BYTES : Q6K_SUPER_BYTES);
-    for (int line = 0; line < (q4 ? Q4K_SUPER_BYTES : Q6K_SUPER_BYTES); line += 64)
+    const int q4 = kind != SPECDEC_TILE_Q6_K, five = kind == SPECDEC_TILE_Q5_K; /* Q4_K's layout, Q5_K's top bits */
+    const int bytes = five ? Q5K_SUPER_BYTES : q4 ? Q4K_SUPER_BYTES : Q6K_SUPER_BYTES;
+    const uint8_t *p = tile + s * bytes;
+    for (int line = 0; line < bytes; line += 64)
         _mm_prefetch((const char *)p + PREFETCH_BYTES + line, _MM_HINT_T0);
     for (int b = 0; b < 32; b++) {
         __m256i v[4];
@@ -357,6 +390,12 @@ static void kquant_unpack(int kind, const uint8_t *tile, int64_t s, uint8_t *q) 
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(p + 64 * b)), v1 = _mm256_loadu_si256((const __m256i *)(p + 64 * b + 32));
             v[0] = _mm256_and_si256(v0, nibble), v[1] = _mm256_and_si256(v1, nibble);
             v[2] = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble), v[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble);
+            if (five) {
+                const __m256i t0 = _mm256_loadu_si256((const __m256i *)(p + 2304 + 64 * (b / 4)));
+                const __m256i t1 = _mm256_loadu_si256((const __m256i *)(p + 2336 + 64 * (b / 4)));
+                v[0] = _mm256_or_si256(v[0], k5_top(t0, 2 * (b % 4))), v[1] = _mm256_or_si256(v[1], k5_top(t1, 2 * (b % 4)));
+                v[2] = _mm256_or_si256(v[2], k5_top(t0, 2 * (b % 4) + 1)), v[3] = _mm256_or_si256(v[3], k5_top(t1, 2 * (b % 4) + 1));
+            }
         } else {
             q6k_block(p + 96 * b, v);
         }
@@ -393,7 +432,8 @@ static void kquant_unpack(int kind, const uint8_t *tile, int64_t s, uint8_t *q) 
 static inline __attribute__((always_inline)) void kquant_rows_unpacked(int kind, const uint8_t *u, int64_t supers,
                                                                       const int8_t *xq, const struct super_consts *sc,
                                                                       int64_t k, __m256 *lo, __m256 *hi) {
-    const int R = KQUANT_UNPACKED_PASS, q4 = kind == SPECDEC_TILE_Q4_K, per = q4 ? 4 : 2; /* blocks per sub-block */
+    const int R = KQUANT_UNPACKED_PASS, q4 = kind != SPECDEC_TILE_Q6_K, per = q4 ? 4 : 2; /* blocks per sub-block */
+    const int five = kind == SPECDEC_TILE_Q5_K; /* Q4_K's sums, in int16 over 2 blocks instead of 4 */
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t s = 0; s < supers; s++) {
         const uint8_t *q = u + s * KQUANT_UNPACKED_MAX;
@@ -408,10 +448,12 @@ static inline __attribute__((always_inline)) void kquant_rows_unpacked(int kind,
                     const uint8_t *w = q + 128 * b;
                     const __m256i v0 = load256(w), v1 = load256(w + 32), v2 = load256(w + 64), v3 = load256(w + 96);
                     for (int r = 0; r < R; r++) KQ_ROW16(a0[r], a1[r], v0, v1, v2, v3, xq + r * k + s * SUPER + 8 * b);
-                }
-                for (int r = 0; r < R; r++) {
-                    i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(a0[r], sc0));
-                    i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(a1[r], sc1));
+                    if (b % 4 == 3 || (five && b % 4 == 1))
+                        for (int r = 0; r < R; r++) {
+                            i0[r] = _mm256_add_epi32(i0[r], _mm256_madd_epi16(a0[r], sc0));
+                            i1[r] = _mm256_add_epi32(i1[r], _mm256_madd_epi16(a1[r], sc1));
+                            a0[r] = a1[r] = _mm256_setzero_si256();
+                        }
                 }
                 continue;
             }

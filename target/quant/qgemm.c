@@ -25,7 +25,7 @@
  *   int4: 4 blocks of 64 B (8 inputs x 16 outputs each: byte 4n+i = q[n][8b+i] | q[n][8b+4+i] << 4),
  *         then step[16], zero[16] as bf16;
  *   int8: 8 blocks of 64 B (4 inputs x 16 outputs each: byte 4n+i = q[n][4b+i]), then step[16] bf16;
- *   GGUF's Q8_0: int8's with step[16] fp16 (the file's d); Q5_0, Q4_K, Q6_K: block32_tiles.h and
+ *   GGUF's Q8_0: int8's with step[16] fp16 (the file's d); Q5_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: block32_tiles.h and
  *   kquant_tiles.h.
  */
 #include <math.h>
@@ -48,8 +48,8 @@ struct group_consts {
 };
 
 #include "qgemm_tiles.h" /* tile_rows and MAX_ROWS for this build's instruction set */
-#include "kquant_tiles.h" /* q4k_rows, q6k_rows: GGUF's Q4_K and Q6_K tiles, one source for every level */
-#include "block32_tiles.h" /* q50_rows: GGUF's Q5_0 tiles, one source for every level */
+#include "kquant_tiles.h" /* q4k_rows, q6k_rows: GGUF's Q4_K, Q5_K and Q6_K tiles, one source for every level */
+#include "block32_tiles.h" /* b32_rows: GGUF's Q5_0, Q4_0 and Q4_1 tiles, one source for every level */
 
 /* The 32 fp32 inputs of group g of row r: x itself, RMSNorm(x) (norm_w), or with `glu` (x is
  * [M, 2K], gate | up) silu(gate) * up, computed in fp32. */
@@ -165,7 +165,8 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
     do {                                                                                                 \
         vf acc[MAX_ROWS];                                                                                \
         const int64_t ahead = row == 0 ? PREFETCH_BYTES : next_ahead;                                    \
-        if (bits == SPECDEC_TILE_Q4_K) q4k_rows_wide(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, acc); \
+        if (bits == SPECDEC_TILE_Q4_K) q4k_rows_wide(tile, ahead, supers, 0, xqs + row * k, sc + row * supers, k, R, acc); \
+        else if (bits == SPECDEC_TILE_Q5_K) q4k_rows_wide(tile, ahead, supers, 1, xqs + row * k, sc + row * supers, k, R, acc); \
         else q6k_rows_wide(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, acc);            \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
@@ -178,29 +179,32 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         __m256 lo[KQUANT_PASS], hi[KQUANT_PASS];                                                         \
         const int64_t ahead = row == 0 ? PREFETCH_BYTES : next_ahead;                                    \
         if (UNPACKED) kquant_rows_unpacked(bits, ku, supers, xqs + row * k, sc + row * supers, k, lo, hi); \
-        else if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi); \
+        else if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, 0, xqs + row * k, sc + row * supers, k, R, lo, hi); \
+        else if (bits == SPECDEC_TILE_Q5_K) q4k_rows(tile, ahead, supers, 1, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else q6k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi);              \
         vf acc[KQUANT_PASS];                                                                             \
         for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
 
-/* R rows against a Q5_0 tile decoded into q50u */
-#define Q50_UNPACKED_ROWS_OF(R)                                                                          \
+/* R rows against a block32 tile of KIND decoded into b32u */
+#define B32_UNPACKED_ROWS_OF(KIND, R)                                                                    \
     do {                                                                                                 \
-        __m256 lo[Q50_UNPACKED_PASS], hi[Q50_UNPACKED_PASS];                                             \
-        q50_rows_unpacked(q50u, groups, xq + row * k, gc + row * groups, k, R, lo, hi);                  \
-        vf acc[Q50_UNPACKED_PASS];                                                                       \
+        __m256 lo[B32_UNPACKED_PASS], hi[B32_UNPACKED_PASS];                                             \
+        b32_rows_unpacked(b32u, groups, KIND, xq + row * k, gc + row * groups, k, R, lo, hi);            \
+        vf acc[B32_UNPACKED_PASS];                                                                       \
         for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
 
-static inline int is_kquant(int bits) { return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q6_K; }
+static inline int is_kquant(int bits) {
+    return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q5_K || bits == SPECDEC_TILE_Q6_K;
+}
 static inline int is_grouped(int bits) { /* activations per 32 inputs */
-    return bits == 4 || bits == 8 || bits == SPECDEC_TILE_Q5_0 || bits == SPECDEC_TILE_Q8_0;
+    return bits == 4 || bits == 8 || is_block32(bits) || bits == SPECDEC_TILE_Q8_0;
 }
 
-#if defined(KQUANT_WIDE) || defined(Q50_WIDE)
+#if defined(KQUANT_WIDE) || defined(B32_WIDE)
 /* The rows from `row` on against this tile: passes of MAX_ROWS (6 at AVX-512), then the rest, each
  * count its own unrolled instance of ROWS(R) */
 #define WIDE_PASSES(ROWS)                                                                                \
@@ -217,26 +221,56 @@ static inline int is_grouped(int bits) { /* activations per 32 inputs */
     } while (0)
 #endif
 
-#ifdef Q50_WIDE /* R <= MAX_ROWS rows against a Q5_0 tile, packed or decoded into q50u (block32_tiles.h) */
-#define Q50_WIDE_ROWS(R)                                                                                 \
+#ifdef B32_WIDE /* R <= MAX_ROWS rows against a block32 tile of KIND, packed or decoded into b32u (block32_tiles.h) */
+#define B32_WIDE_ROWS_OF(KIND, R)                                                                        \
     do {                                                                                                 \
         vf acc[MAX_ROWS];                                                                                \
-        if (q50u) q50_rows_wide(q50u, 0, 1, groups, xq + row * k, gc + row * groups, k, R, acc);         \
-        else q50_rows_wide(tile, row == 0 ? PREFETCH_BYTES : next_ahead, 0, groups, xq + row * k,        \
+        if (b32u) b32_rows_wide(b32u, 0, 1, groups, KIND, xq + row * k, gc + row * groups, k, R, acc);   \
+        else b32_rows_wide(tile, row == 0 ? PREFETCH_BYTES : next_ahead, 0, groups, KIND, xq + row * k,  \
                            gc + row * groups, k, R, acc);                                                \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
+#define B32_WIDE_Q5_0(R) B32_WIDE_ROWS_OF(SPECDEC_TILE_Q5_0, R)
+#define B32_WIDE_Q4_0(R) B32_WIDE_ROWS_OF(SPECDEC_TILE_Q4_0, R)
+#define B32_WIDE_Q4_1(R) B32_WIDE_ROWS_OF(SPECDEC_TILE_Q4_1, R)
 #endif
 
-/* R <= Q50_PASS rows against a Q5_0 tile (block32_tiles.h) */
-#define Q50_ROWS(R)                                                                                      \
+/* R <= B32_PASS rows against a block32 tile of KIND (block32_tiles.h) */
+#define B32_ROWS(KIND, R)                                                                                \
     do {                                                                                                 \
-        __m256 lo[Q50_PASS], hi[Q50_PASS];                                                               \
-        q50_rows(tile, row == 0 ? PREFETCH_BYTES : next_ahead, groups, xq + row * k, gc + row * groups, k, R, lo, hi); \
-        vf acc[Q50_PASS];                                                                                \
+        __m256 lo[B32_PASS], hi[B32_PASS];                                                               \
+        b32_rows(tile, row == 0 ? PREFETCH_BYTES : next_ahead, groups, KIND, xq + row * k, gc + row * groups, k, R, lo, hi); \
+        vf acc[B32_PASS];                                                                                \
         for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
+
+/* Every row against a block32 tile of KIND (a constant: one instance of the loops per kind). At
+ * AVX-512 VNNI 512-bit passes (WIDE: B32_WIDE_Q5_0 and the others); else decoded once for more
+ * than two passes' rows, then register passes of B32_PASS. */
+#ifdef B32_WIDE
+#define B32_TILE(KIND, WIDE)                                                                             \
+    do {                                                                                                 \
+        if (b32u) b32_unpack_tile(tile, groups, KIND, b32u); /* NULL (few rows, or no memory): decoded per pass */ \
+        WIDE_PASSES(WIDE);                                                                               \
+    } while (0)
+#else
+#define B32_TILE(KIND, WIDE)                                                                             \
+    do {                                                                                                 \
+        if (b32u) b32_unpack_tile(tile, groups, KIND, b32u); /* NULL (few rows, or no memory): decoded per pass */ \
+        for (; b32u && row + B32_UNPACKED_PASS <= m; row += B32_UNPACKED_PASS) B32_UNPACKED_ROWS_OF(KIND, B32_UNPACKED_PASS); \
+        if (b32u && m - row == 2) {                                                                      \
+            B32_UNPACKED_ROWS_OF(KIND, 2);                                                               \
+            row += 2;                                                                                    \
+        } else if (b32u && m - row == 1) {                                                               \
+            B32_UNPACKED_ROWS_OF(KIND, 1);                                                               \
+            row += 1;                                                                                    \
+        }                                                                                                \
+        for (; row + B32_PASS <= m; row += B32_PASS) B32_ROWS(KIND, B32_PASS);                           \
+        if (m - row == 2) B32_ROWS(KIND, 2);                                                             \
+        else if (m - row == 1) B32_ROWS(KIND, 1);                                                        \
+    } while (0)
+#endif
 
 #ifdef UNPACKED_GROUP /* R <= UNPACKED_PASS rows against the unpacked tile */
 #define UNPACKED_ROWS(R)                                                                              \
@@ -250,7 +284,7 @@ static inline int is_grouped(int bits) { /* activations per 32 inputs */
 /* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
  * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
  * the byte offset of each tile in it and `tile_bits[N/16]` its format (4, 8, a GGUF tile
- * SPECDEC_TILE_Q5_0 or _Q8_0, or a k-quant tile SPECDEC_TILE_Q4_K or _Q6_K, whose calls need
+ * SPECDEC_TILE_Q5_0, _Q4_0, _Q4_1 or _Q8_0, or a k-quant tile SPECDEC_TILE_Q4_K, _Q5_K or _Q6_K, whose calls need
  * K % 256 == 0). x, y, residual
  * [M, N] (NULL: none; may be y) and norm_w are fp32 or bf16 (flags; residual as y), bias fp32
  * or NULL. Returns SPECDEC_OK, SPECDEC_ERR_INVALID_ARGUMENT (sizes off the tile grid, a missing
@@ -262,9 +296,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
     if (!x || !tiles || !tile_offsets || !tile_bits || !y || m < 0 || k <= 0 || k % GROUP || n <= 0 ||
         n % TILE || (glu && norm_w))
         return SPECDEC_ERR_INVALID_ARGUMENT;
-    int grouped = 0, kquant = 0, q50 = 0; /* which activation quantizations the tiles need; any Q5_0 */
+    int grouped = 0, kquant = 0, b32 = 0; /* which activation quantizations the tiles need; any block32 tile */
     for (int64_t t = 0; t < n / TILE; t++) {
-        q50 |= tile_bits[t] == SPECDEC_TILE_Q5_0;
+        b32 |= is_block32(tile_bits[t]);
         if (is_grouped(tile_bits[t])) grouped = 1;
         else if (is_kquant(tile_bits[t])) kquant = 1;
         else return SPECDEC_ERR_INVALID_ARGUMENT;
@@ -306,7 +340,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         uint8_t *kunpacked = kquant && m >= KQUANT_UNPACKED_ROWS
                                  ? (uint8_t *)aligned_alloc(64, (size_t)(supers * KQUANT_UNPACKED_MAX)) : NULL;
 #endif
-        uint8_t *q50u = q50 && m >= Q50_UNPACKED_ROWS ? (uint8_t *)aligned_alloc(64, (size_t)(groups * Q50_UNPACKED_GROUP)) : NULL;
+        uint8_t *b32u = b32 && m >= B32_UNPACKED_ROWS ? (uint8_t *)aligned_alloc(64, (size_t)(groups * B32_UNPACKED_GROUP)) : NULL;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < n / TILE; t++) {
             const uint8_t *tile = tiles + tile_offsets[t];
@@ -337,23 +371,10 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
 #endif
                 continue;
             }
-            if (bits == SPECDEC_TILE_Q5_0) {
-                if (q50u) q50_unpack_tile(tile, groups, q50u); /* NULL (few rows, or no memory): decoded per pass */
-#ifdef Q50_WIDE
-                WIDE_PASSES(Q50_WIDE_ROWS);
-#else
-                for (; q50u && row + Q50_UNPACKED_PASS <= m; row += Q50_UNPACKED_PASS) Q50_UNPACKED_ROWS_OF(Q50_UNPACKED_PASS);
-                if (q50u && m - row == 2) {
-                    Q50_UNPACKED_ROWS_OF(2);
-                    row += 2;
-                } else if (q50u && m - row == 1) {
-                    Q50_UNPACKED_ROWS_OF(1);
-                    row += 1;
-                }
-                for (; row + Q50_PASS <= m; row += Q50_PASS) Q50_ROWS(Q50_PASS);
-                if (m - row == 2) Q50_ROWS(2);
-                else if (m - row == 1) Q50_ROWS(1);
-#endif
+            if (is_block32(bits)) {
+                if (bits == SPECDEC_TILE_Q5_0) B32_TILE(SPECDEC_TILE_Q5_0, B32_WIDE_Q5_0);
+                else if (bits == SPECDEC_TILE_Q4_0) B32_TILE(SPECDEC_TILE_Q4_0, B32_WIDE_Q4_0);
+                else B32_TILE(SPECDEC_TILE_Q4_1, B32_WIDE_Q4_1);
                 continue;
             }
 #ifdef UNPACKED_GROUP
@@ -383,7 +404,7 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
                 default: break;
             }
         }
-        free(unpacked), free(kunpacked), free(q50u);
+        free(unpacked), free(kunpacked), free(b32u);
     }
     free(xq), free(gc), free(xqs), free(sc), free(inv_rms);
     return SPECDEC_OK;

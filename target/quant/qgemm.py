@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specdec import native
-from specdec.kernel_abi import GROUP, SUPER, TILE, TILE_Q4_K, TILE_Q5_0, TILE_Q6_K, TILE_Q8_0, check_tensor
+from specdec.kernel_abi import GROUP, SUPER, TILE, check_tensor
 from specdec.target.quant import kquant
 
 SOURCE = Path(__file__).with_name("qgemm.c")
@@ -29,7 +29,7 @@ def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
 
 FLOATS = (torch.bfloat16, torch.float32)  # what x, y, residual and norm weights may be
 GROUP_BYTES = {4: 320, 8: 544}  # bytes per group of 32 inputs in an int4 / int8 tile (qgemm.c)
-TILE_KINDS = {4: "int4", 8: "int8", TILE_Q4_K: "Q4_K", TILE_Q6_K: "Q6_K", TILE_Q5_0: "Q5_0", TILE_Q8_0: "Q8_0"}  # tile_bits -> format
+TILE_KINDS = {4: "int4", 8: "int8", **kquant.KIND_NAMES}  # tile_bits -> format
 
 
 def tile_size(bits: int, in_features: int) -> int:

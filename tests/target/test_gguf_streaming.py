@@ -33,20 +33,23 @@ def _f16_bytes(value: float) -> np.ndarray:
 
 
 def _k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random but valid Q4_K / Q6_K blocks `[rows, cols / 256 * block bytes]` (gguf cannot
-    quantize to K-quants): random quants and sub-block scales, small finite fp16 scales."""
-    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    """Random but valid Q4_K / Q5_K / Q6_K / Q3_K blocks `[rows, cols / 256 * block bytes]` (gguf
+    cannot quantize to K-quants): random quants and sub-block scales, small finite fp16 scales."""
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110}[kind]
     blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
-    if kind == "Q4_K":  # d, dmin (fp16), scales[12], qs[128]
-        blocks[..., 0:2], blocks[..., 2:4] = _f16_bytes(0.002), _f16_bytes(0.001)
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin (fp16), scales[12], (qh[32]), qs[128]
+        blocks[..., 0:2], blocks[..., 2:4] = _f16_bytes(0.002 if kind == "Q4_K" else 0.001), _f16_bytes(0.001)
+    elif kind == "Q3_K":  # hmask[32], qs[64], scales[12], d (fp16)
+        blocks[..., 108:110] = _f16_bytes(0.0005)
     else:  # ql[128], qh[64], scales[16] (int8), d (fp16)
         blocks[..., 208:210] = _f16_bytes(0.0005)
     return blocks.reshape(rows, -1)
 
 
-def _write_qwen2_gguf(path, tokenizer, tie: bool, k_quants_only: bool = False, head: str = "F16") -> None:
+def _write_qwen2_gguf(path, tokenizer, tie: bool, k_quants_only: bool = False, head: str = "F16",
+                      types: dict[str, str] | None = None) -> None:
     """`k_quants_only`: the Q8_0 / Q5_0 / F16 matrices written as Q4_K instead; `head`: the
-    untied LM head's type."""
+    untied LM head's type; `types`: each matrix of a type written as another (`{"Q4_K": "Q5_K"}`)."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -67,12 +70,14 @@ def _write_qwen2_gguf(path, tokenizer, tie: bool, k_quants_only: bool = False, h
     def add(name: str, kind: str, rows: int, cols: int | None = None) -> None:
         if k_quants_only and cols and kind in ("Q8_0", "Q5_0", "F16"):
             kind = "Q4_K"
-        if kind in ("Q4_K", "Q6_K"):
+        if cols and types:
+            kind = types.get(kind, kind)
+        if kind in ("Q4_K", "Q5_K", "Q6_K", "Q3_K"):
             writer.add_tensor(name, _k_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
             return
         shape = (rows,) if cols is None else (rows, cols)
         values = (rng.standard_normal(shape) * (0.02 if cols else 0.1) + (0 if cols else 1)).astype(np.float32)
-        if kind in ("Q8_0", "Q5_0"):
+        if kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1"):
             qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:

@@ -10,14 +10,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from specdec.kernel_abi import TILE_Q4_K, TILE_Q5_0, TILE_Q6_K, TILE_Q8_0
+from specdec.kernel_abi import TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K, TILE_Q6_K, TILE_Q8_0
 from specdec.target.quant import kquant, qgemm
 from specdec.target.quant.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
 
 pytestmark = pytest.mark.skipif(
     qgemm.unavailable_reason() is not None, reason=f"w4a8 kernel unavailable: {qgemm.unavailable_reason()}"
 )
-KINDS = {TILE_Q4_K: T.Q4_K, TILE_Q6_K: T.Q6_K, TILE_Q5_0: T.Q5_0, TILE_Q8_0: T.Q8_0}
+KINDS = {TILE_Q4_K: T.Q4_K, TILE_Q5_K: T.Q5_K, TILE_Q6_K: T.Q6_K, TILE_Q5_0: T.Q5_0, TILE_Q4_0: T.Q4_0,
+         TILE_Q4_1: T.Q4_1, TILE_Q8_0: T.Q8_0}
 
 
 def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -27,12 +28,14 @@ def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     count = cols // kquant.BLOCK_INPUTS[kind]
     blocks = rng.integers(0, 256, (rows, count, kquant.BLOCK_BYTES[kind]), dtype=np.uint8)
-    scales = (10.0 ** rng.uniform(-5, -1, (rows, count, 2))).astype(np.float16).view(np.uint8)
-    if kind == TILE_Q4_K:  # d, dmin (fp16), scales[12], qs[128]
+    scales = (10.0 ** rng.uniform(-5, -1, (rows, count, 2))).astype(np.float16)
+    scales[..., 1] *= rng.choice([-1, 1], (rows, count))  # Q4_1's m takes either sign
+    scales = scales.view(np.uint8)
+    if kind in (TILE_Q4_K, TILE_Q5_K, TILE_Q4_1):  # d, dmin (fp16), scales[12], (qh[32]), qs; Q4_1: d, m, qs[16]
         blocks[..., 0:4] = scales.reshape(rows, count, 4)
     elif kind == TILE_Q6_K:  # ql[128], qh[64], scales[16] int8, d (fp16)
         blocks[..., 208:210] = scales[..., :2]
-    else:  # Q5_0: d (fp16), qh[4], qs[16]; Q8_0: d (fp16), qs[32] int8
+    else:  # Q5_0: d (fp16), qh[4], qs[16]; Q4_0: d, qs[16]; Q8_0: d (fp16), qs[32] int8
         blocks[..., 0:2] = scales[..., :2]
     return blocks.reshape(rows, -1)
 
@@ -41,7 +44,7 @@ def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 def test_tiles_hold_exactly_the_files_weights_in_the_files_bytes(kind):
     raw = k_blocks(kind, 48, 768)
     q = QLinear.from_gguf(raw, kind, 768, None)
-    assert q.tiles.numel() == raw.nbytes  # 4.5 / 6.5625 / 5.5 / 8.5 bits a weight, as the file
+    assert q.tiles.numel() == raw.nbytes  # 4.5 / 5.5 / 6.5625 / 5.5 / 4.5 / 5 / 8.5 bits a weight, as the file
     expected = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]))
     assert torch.equal(dequantize(q), expected)
 
@@ -65,6 +68,30 @@ def test_kernel_computes_the_product_with_its_activations(kind, dtype, rows, sim
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert ((y - ref).norm() / ref.norm()) < tol
     assert torch.equal(q(x), torch.cat([q(x[i : i + 1]) for i in range(rows)]))  # batch invariant
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 4, 13])
+def test_the_largest_quants_and_activations_do_not_overflow_the_integer_sums(kind, rows, simd_level):
+    """Every quant at its largest code and every activation +127 (the worst case of the int16 pair
+    sums, which random blocks never reach): the kernel still gives the product, at every level,
+    in the register passes and, at 13 rows, the decoded-once ones."""
+    raw = k_blocks(kind, 16, 512, seed=2)
+    blocks = raw.reshape(16, -1, kquant.BLOCK_BYTES[kind])
+    keep = {TILE_Q4_K: slice(0, 4), TILE_Q5_K: slice(0, 4), TILE_Q4_1: slice(0, 4), TILE_Q6_K: slice(208, 210)}
+    scales = blocks[..., keep.get(kind, slice(0, 2))].copy()
+    blocks[...] = 0xFF
+    if kind == TILE_Q6_K:  # sub-scales 127 and quants 63: w = d * 127 * 31
+        blocks[..., 192:208] = 127
+    if kind == TILE_Q8_0:  # the codes -128..127 as int8: -128 is the largest product
+        blocks[..., 2:] = 0x80
+    blocks[..., keep.get(kind, slice(0, 2))] = scales
+    if kind in (TILE_Q4_K, TILE_Q5_K):  # no min: every weight d * 63 * q
+        blocks[..., 2:4] = 0
+    q = QLinear.from_gguf(blocks.reshape(16, -1), kind, 512, None)
+    x = torch.ones(rows, 512)
+    y, ref = q(x), reference_qgemm(x, q)
+    assert ((y - ref).norm() / ref.norm()) < 1e-5
 
 
 def test_fused_epilogues_and_mixed_formats_match_their_parts(simd_level):
@@ -101,14 +128,14 @@ def test_kquant_tiles_off_the_super_block_grid_are_refused():
         q(torch.randn(1, 256))
 
 
-def _tiny_gguf(tmp_path, monkeypatch, k_quants_only: bool):
+def _tiny_gguf(tmp_path, monkeypatch, k_quants_only: bool, types: dict[str, str] | None = None):
     from specdec.target.model_files import resolve_model
     from tests.target.conftest import build_tiny_tokenizer
     from tests.target.test_gguf_streaming import _write_qwen2_gguf
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "tiny-qwen2.gguf"
-    _write_qwen2_gguf(path, build_tiny_tokenizer(), tie=False, k_quants_only=k_quants_only)
+    _write_qwen2_gguf(path, build_tiny_tokenizer(), tie=False, k_quants_only=k_quants_only, types=types)
     return resolve_model(str(path), progress=False)
 
 
@@ -139,6 +166,33 @@ def test_gguf_mode_reads_k_quant_tensors_as_stored(tmp_path, monkeypatch):
     assert model(*_prompt_inputs(model)).isfinite().all()
 
 
+def test_q5_k_q4_0_q4_1_tensors_read_as_stored_and_a_type_without_a_kernel_is_named(tmp_path, monkeypatch, capsys):
+    """A GGUF whose matrices are Q5_K, Q4_0, Q4_1 and Q3_K: the first three become tiles holding the
+    file's values; the Q3_K ones (no kernel yet) are re-quantized, and one line says which type,
+    which tensors and how many bytes they take against the file's."""
+    from specdec.target.model_weights import load_model
+    from tests.target.test_gguf_streaming import _prompt_inputs
+
+    folder = _tiny_gguf(tmp_path, monkeypatch, k_quants_only=False,
+                        types={"Q4_K": "Q5_K", "Q8_0": "Q4_0", "Q5_0": "Q4_1", "Q6_K": "Q3_K"})
+    dense = load_model(folder, torch.float32)
+    capsys.readouterr()
+    model = load_model(folder, torch.bfloat16, quant="gguf")
+    layer, d = model.model.layers[1], dense.model.layers[1]
+    assert set(layer.self_attn.o_proj.tile_bits.tolist()) == {TILE_Q4_0}
+    assert torch.equal(dequantize(layer.self_attn.o_proj), d.self_attn.o_proj.weight)
+    gate_up = layer.mlp.gate_up_proj
+    assert set(gate_up.tile_bits.tolist()) == {TILE_Q4_1, TILE_Q5_K}
+    assert torch.equal(dequantize(gate_up), torch.cat([d.mlp.gate_proj.weight, d.mlp.up_proj.weight]))
+    assert TILE_Q5_K in set(layer.self_attn.qkv_proj.tile_bits.tolist())  # q, k Q5_K; v Q3_K re-quantized
+    assert not set(layer.mlp.down_proj.tile_bits.tolist()) & set(KINDS)
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if " Q3_K tensors" in x)
+    assert "(mlp.down_proj, self_attn.v_proj in 2 layers): no kernel yet" in line and "MB where the file holds" in line
+    assert "F16 tensor (lm_head): no kernel yet" in err
+    assert model(*_prompt_inputs(model)).isfinite().all()
+
+
 def test_a_model_wholly_in_k_quants_loads_without_a_cache_and_answers_as_a_cached_one(tmp_path, monkeypatch):
     from specdec.target.model_weights import load_model
     from specdec.target.quant.cache_file import quant_cache_path
@@ -156,7 +210,7 @@ def test_every_level_computes_kquant_tiles_bitwise_the_same(monkeypatch):
     """The GGUF tiles run one 256-bit source at every level (Q8_0: the int8 tiles' per-level
     code; at AVX-512 VNNI 512-bit passes of up to 6 rows with vpdpbusd sums for every k-quant row
     count, Q5_0 packed or decoded): the AVX-512 VNNI, AVX-VNNI and AVX2 builds agree bit for bit
-    (1 to 13 rows, each fusion). Compares the levels this machine runs."""
+    (1 to 13 rows, each fusion, fp32 and bf16). Compares the levels this machine runs."""
     from tests.conftest import MACHINE_LEVELS
 
     if len(MACHINE_LEVELS) < 2:
@@ -172,7 +226,8 @@ def test_every_level_computes_kquant_tiles_bitwise_the_same(monkeypatch):
             q = QLinear.from_gguf(k_blocks(kind, 32, 512, seed=kind), kind, 512, None)
             for rows in (1, 2, 3, 4, 5, 6, 13):
                 a, b, r = x[:rows].bfloat16(), gate_up[:rows].bfloat16(), residual[:rows].bfloat16()
-                out += [q(a), q(b, glu=True), q(a, norm_weight=norm.bfloat16(), eps=1e-6, residual=r)]
+                out += [q(a), q(b, glu=True), q(a, norm_weight=norm.bfloat16(), eps=1e-6, residual=r),
+                        q(x[:rows])]  # fp32 out: bf16 rounding would hide an fp32 step in another order
         results[level] = out
     first = MACHINE_LEVELS[0]
     for level in MACHINE_LEVELS[1:]:
