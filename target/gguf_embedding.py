@@ -6,7 +6,7 @@ for the 1.5B target, 272 MB for the 0.5B draft) where the GGUF holds it in 131 M
 blocks. `GGUFEmbedding` maps the table where it lies (a view of the file's pages, or of the
 default pair's package chunks) and dequantizes the rows of each forward's tokens exactly as the
 full-tensor conversion did (float32 from the blocks, then the model dtype): the values are
-bitwise those of the bf16 table it replaces. Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0 and Q8_0 rows are read by C
+bitwise those of the bf16 table it replaces. Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_0, IQ4_NL, MXFP4 and Q8_0 rows are read by C
 (`kquant_pack.c` `gguf_rows`: ~5 us a row where the torch ops take ~270 us a lookup), the other
 types by `gguf_dequant`.
 
@@ -46,6 +46,8 @@ class GGUFEmbedding(nn.Module):
         flat = ids.reshape(-1).cpu().to(torch.int64).contiguous()
         if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings}), got {int(flat.min())}..{int(flat.max())}")
+        if not flat.numel():  # (gguf's dequantize of zero IQ4_NL rows raises)
+            return torch.empty(*ids.shape, self.embedding_dim, dtype=self.dtype)
         lib = kquant.PACKER.load() if self._c_kind is not None and self.dtype in (torch.bfloat16, torch.float32) else None
         if lib is not None and flat.numel():
             out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.dtype)

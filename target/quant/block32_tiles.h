@@ -1,10 +1,16 @@
 /* qgemm's tiles in GGUF's blocks of 32 inputs with one fp16 d per block (included by qgemm.c after
  * kquant_tiles.h), repacked at load (`kquant.py`) with the file's bytes per 32 weights and read as
  * they are: Q5_0 (w = d * (q - 16), q 0..31, 22 bytes), Q4_0 (w = d * (q - 8), q 0..15, 18 bytes)
- * and Q4_1 (w = d * q + m, q 0..15, fp16 m, 20 bytes). Activations are the int4 / int8 tiles'
- * (int8 per row and group of 32, `struct group_consts`):
+ * and Q4_1 (w = d * q + m, q 0..15, fp16 m, 20 bytes), and the tables of 16 values IQ4_NL (w = d *
+ * kvalues_iq4nl[q], 18 bytes) and MXFP4 (w = e8m0_half(e) * kvalues_mxfp4[q], one exponent byte e,
+ * 17 bytes; gpt-oss's experts). Activations are the int4 / int8 tiles' (int8 per row and group of
+ * 32, `struct group_consts`):
  *     y += (d * xs) * cvt(sum(q * xq) - off * sum(xq))     (off 16, 8; 0 for Q4_1)
  *     y += m * (xs * sum(xq))                               (Q4_1)
+ * where a table's q is its value plus an offset that makes it unsigned: MXFP4 v + 12 (0..24) at
+ * every level; IQ4_NL v + 128 at AVX-512 VNNI (`vpdpbusd`), while the 256-bit passes multiply its
+ * signed values by sign-moved activations (`vpsignb`: v + 128 would overflow `vpmaddubsw`). Both
+ * give the same integer sum(v * xq).
  * The integer sum is exact and the float steps are the same 256-bit operations at every level, so
  * every level returns bitwise the same results. (GGUF's Q8_0 tiles are the int8 tiles with fp16
  * steps: `tile_rows` reads them.) Each function takes the kind as a constant (`kind`, inlined), so
@@ -12,15 +18,35 @@
  *
  * Group layout (outputs n = 0..15): 4 blocks of 64 B with the low nibbles in the int4 tiles'
  * layout (byte 4n+i: (q[n][8b+i] & 15) | (q[n][8b+4+i] & 15) << 4); Q5_0 then 64 B of top bits
- * (byte 4n+i, bit 2b+h: the top bit of q[n][8b+4h+i]); then d[16] fp16; Q4_1 then m[16] fp16.
- * 352 = 16 x 22, 288 = 16 x 18, 320 = 16 x 20 bytes.
+ * (byte 4n+i, bit 2b+h: the top bit of q[n][8b+4h+i]); then d[16] fp16 (MXFP4: e[16]); Q4_1 then
+ * m[16] fp16. 352 = 16 x 22, 288 = 16 x 18, 320 = 16 x 20, 272 = 16 x 17 bytes.
  */
 
-static inline int b32_group_bytes(int kind) { return kind == SPECDEC_TILE_Q5_0 ? 352 : kind == SPECDEC_TILE_Q4_1 ? 320 : 288; }
+static inline int b32_group_bytes(int kind) {
+    return kind == SPECDEC_TILE_Q5_0 ? 352 : kind == SPECDEC_TILE_Q4_1 ? 320 : kind == SPECDEC_TILE_MXFP4 ? 272 : 288;
+}
 static inline int b32_d_at(int kind) { return kind == SPECDEC_TILE_Q5_0 ? 320 : 256; } /* m (Q4_1): d + 32 */
-static inline int b32_offset(int kind) { return kind == SPECDEC_TILE_Q5_0 ? 16 : kind == SPECDEC_TILE_Q4_0 ? 8 : 0; }
+static inline int b32_offset(int kind) { /* the 256-bit passes' */
+    return kind == SPECDEC_TILE_Q5_0 ? 16 : kind == SPECDEC_TILE_Q4_0 ? 8 : kind == SPECDEC_TILE_MXFP4 ? 12 : 0;
+}
+static inline int is_table(int kind) { return kind == SPECDEC_TILE_IQ4_NL || kind == SPECDEC_TILE_MXFP4; }
 static inline int is_block32(int bits) {
-    return bits == SPECDEC_TILE_Q5_0 || bits == SPECDEC_TILE_Q4_0 || bits == SPECDEC_TILE_Q4_1;
+    return bits == SPECDEC_TILE_Q5_0 || bits == SPECDEC_TILE_Q4_0 || bits == SPECDEC_TILE_Q4_1 || is_table(bits);
+}
+
+/* The 16 values of a table kind, as bytes in each 128-bit lane (`vpshufb` looks up per lane):
+ * IQ4_NL's signed, MXFP4's plus 12; `wide`: IQ4_NL's plus 128 (for `vpdpbusd`). */
+static inline __m128i b32_table(int kind, int wide) {
+    if (kind == SPECDEC_TILE_MXFP4) return _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    return iq4nl_table(wide);
+}
+
+/* ggml's e8m0_to_fp32_half of 8 exponent bytes: 2^(e - 128), subnormal below e = 2 */
+static inline __m256 b32_e8m0_x8(const uint8_t *e) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
+    const __m256i big = _mm256_slli_epi32(_mm256_sub_epi32(x, _mm256_set1_epi32(1)), 23);
+    const __m256i small = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), x);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(small, big, _mm256_cmpgt_epi32(x, _mm256_set1_epi32(1))));
 }
 
 /* Rows per pass. 3 rows' int16 and int32 sums and both halves' weights are more than the 16 ymm
@@ -52,6 +78,10 @@ static inline __attribute__((always_inline)) void b32_block(const uint8_t *p, __
         v[0] = _mm256_or_si256(v[0], b32_top(t0, 2 * b)), v[1] = _mm256_or_si256(v[1], b32_top(t1, 2 * b));
         v[2] = _mm256_or_si256(v[2], b32_top(t0, 2 * b + 1)), v[3] = _mm256_or_si256(v[3], b32_top(t1, 2 * b + 1));
     }
+    if (is_table(kind)) {
+        const __m256i table = _mm256_broadcastsi128_si256(b32_table(kind, 0));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_shuffle_epi8(table, v[i]);
+    }
 }
 
 /* lo[r], hi[r] += group g's share of row r: (d * xs) * cvt(i - off * sum(xq)) (+ m * xs * sum(xq)) */
@@ -81,6 +111,20 @@ static inline __attribute__((always_inline)) void b32_group_sums(const uint8_t *
                                                                 int64_t k, const int R, __m256i *i0, __m256i *i1) {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+    if (kind == SPECDEC_TILE_IQ4_NL) { /* signed values: widened block by block */
+        for (int b = 0; b < 4; b++) {
+            __m256i v[4], m[4];
+            if (unpacked)
+                for (int i = 0; i < 4; i++) v[i] = _mm256_load_si256((const __m256i *)(q + 128 * b + 32 * i));
+            else b32_block(p, t0, t1, b, kind, v);
+            for (int i = 0; i < 4; i++) m[i] = _mm256_abs_epi8(v[i]);
+            for (int r = 0; r < R; r++) {
+                SIGNED_ACC2(i0[r], i1[r], v[0], v[1], m[0], m[1], ones, xg + r * k + 8 * b);
+                SIGNED_ACC2(i0[r], i1[r], v[2], v[3], m[2], m[3], ones, xg + r * k + 8 * b + 4);
+            }
+        }
+        return;
+    }
     for (int pair = 0; pair < 2; pair++) {
         __m256i s0[B32_UNPACKED_PASS], s1[B32_UNPACKED_PASS];
         for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm256_setzero_si256();
@@ -103,6 +147,11 @@ static inline __attribute__((always_inline)) void b32_group_sums(const uint8_t *
 
 static inline __m256 b32_f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* the steps d of outputs 0-7 (half 0) or 8-15 of the group at p: fp16, or MXFP4's exponents */
+static inline __m256 b32_d(const uint8_t *p, const int kind, int half) {
+    return kind == SPECDEC_TILE_MXFP4 ? b32_e8m0_x8(p + 256 + 8 * half) : b32_f16x8(p + b32_d_at(kind) + 16 * half);
+}
+
 /* R <= B32_PASS rows (xq `k` apart, consts `groups` apart) against a tile of `kind`: lo[r], hi[r]
  * receive outputs 0-7 and 8-15. `ahead`: the prefetch distance. */
 static inline __attribute__((always_inline)) void b32_rows(const uint8_t *tile, int64_t ahead, int64_t groups, const int kind,
@@ -120,7 +169,7 @@ static inline __attribute__((always_inline)) void b32_rows(const uint8_t *tile, 
         b32_group_sums(p, t0, t1, NULL, 0, kind, xq + g * GROUP, k, R, i0, i1);
         const __m256 m0 = kind == SPECDEC_TILE_Q4_1 ? b32_f16x8(p + at + 32) : _mm256_setzero_ps();
         const __m256 m1 = kind == SPECDEC_TILE_Q4_1 ? b32_f16x8(p + at + 48) : _mm256_setzero_ps();
-        b32_group_scale(i0, i1, b32_f16x8(p + at), b32_f16x8(p + at + 16), m0, m1, gc, groups, g, kind, R, lo, hi);
+        b32_group_scale(i0, i1, b32_d(p, kind, 0), b32_d(p, kind, 1), m0, m1, gc, groups, g, kind, R, lo, hi);
     }
 }
 
@@ -142,7 +191,8 @@ static void b32_unpack_tile(const uint8_t *tile, int64_t groups, const int kind,
             b32_block(p, t0, t1, b, kind, v);
             for (int i = 0; i < 4; i++) _mm256_store_si256((__m256i *)(q + 128 * b + 32 * i), v[i]);
         }
-        for (int i = 0; i < (kind == SPECDEC_TILE_Q4_1 ? 4 : 2); i++) _mm256_store_ps((float *)(q + 512 + 32 * i), b32_f16x8(p + at + 16 * i));
+        for (int i = 0; i < 2; i++) _mm256_store_ps((float *)(q + 512 + 32 * i), b32_d(p, kind, i));
+        for (int i = 2; i < (kind == SPECDEC_TILE_Q4_1 ? 4 : 2); i++) _mm256_store_ps((float *)(q + 512 + 32 * i), b32_f16x8(p + at + 16 * i));
     }
 }
 
@@ -171,6 +221,14 @@ static inline __attribute__((always_inline)) void b32_rows_unpacked(const uint8_
 #undef B32_UNPACKED_ROWS
 #define B32_UNPACKED_ROWS (2 * MAX_ROWS + 1) /* decoded once when a call makes more than two passes */
 
+/* b32_e8m0_x8 of 16 exponent bytes */
+static inline __m512 b32_e8m0_x16(const uint8_t *e) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e));
+    const __m512i big = _mm512_slli_epi32(_mm512_sub_epi32(x, _mm512_set1_epi32(1)), 23);
+    const __m512i small = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), x);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(x, _mm512_set1_epi32(1)), small, big));
+}
+
 static inline __attribute__((always_inline)) __m512i b32_top_wide(__m512i t, int s) {
     const __m512i bit4 = _mm512_set1_epi8(0x10);
     return _mm512_and_si512(s <= 4 ? _mm512_slli_epi16(t, 4 - s) : _mm512_srli_epi16(t, s - 4), bit4);
@@ -184,7 +242,9 @@ static inline __attribute__((always_inline)) void b32_rows_wide(const uint8_t *t
                                                                const struct group_consts *gc, int64_t k, const int R,
                                                                vf *acc) {
     const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i table = _mm512_broadcast_i32x4(b32_table(kind, 1));
     const int bytes = b32_group_bytes(kind), at = b32_d_at(kind);
+    const int off = kind == SPECDEC_TILE_IQ4_NL ? 128 : b32_offset(kind);
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const int8_t *xg = xq + g * GROUP;
@@ -194,8 +254,10 @@ static inline __attribute__((always_inline)) void b32_rows_wide(const uint8_t *t
         if (unpacked) {
             const uint8_t *q = tile + g * B32_UNPACKED_GROUP;
             for (int b = 0; b < 4; b++) {
-                const __m512i lo = _mm512_load_si512((const void *)(q + 128 * b));
-                const __m512i hi = _mm512_load_si512((const void *)(q + 128 * b + 64));
+                __m512i lo = _mm512_load_si512((const void *)(q + 128 * b));
+                __m512i hi = _mm512_load_si512((const void *)(q + 128 * b + 64));
+                if (kind == SPECDEC_TILE_IQ4_NL) /* decoded signed (b32_unpack_tile): plus 128 */
+                    lo = _mm512_xor_si512(lo, _mm512_set1_epi8((char)0x80)), hi = _mm512_xor_si512(hi, _mm512_set1_epi8((char)0x80));
                 for (int r = 0; r < R; r++) {
                     DPBUSD_BCST(lo_sum[r], lo, xg + r * k + 8 * b);
                     DPBUSD_BCST(hi_sum[r], hi, xg + r * k + 8 * b + 4);
@@ -212,17 +274,18 @@ static inline __attribute__((always_inline)) void b32_rows_wide(const uint8_t *t
                 __m512i lo = _mm512_and_si512(w, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
                 if (kind == SPECDEC_TILE_Q5_0)
                     lo = _mm512_or_si512(lo, b32_top_wide(t, 2 * b)), hi = _mm512_or_si512(hi, b32_top_wide(t, 2 * b + 1));
+                if (is_table(kind)) lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
                 for (int r = 0; r < R; r++) {
                     DPBUSD_BCST(lo_sum[r], lo, xg + r * k + 8 * b);
                     DPBUSD_BCST(hi_sum[r], hi, xg + r * k + 8 * b + 4);
                 }
             }
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + at)));
+            d = kind == SPECDEC_TILE_MXFP4 ? b32_e8m0_x16(p + 256) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + at)));
             if (kind == SPECDEC_TILE_Q4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + at + 32)));
         }
         for (int r = 0; r < R; r++) { /* as b32_group_scale */
             const struct group_consts *c = &gc[r * groups + g];
-            const __m512i i = _mm512_sub_epi32(_mm512_add_epi32(lo_sum[r], hi_sum[r]), _mm512_set1_epi32(b32_offset(kind) * c->isum));
+            const __m512i i = _mm512_sub_epi32(_mm512_add_epi32(lo_sum[r], hi_sum[r]), _mm512_set1_epi32(off * c->isum));
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(c->scale)), _mm512_cvtepi32_ps(i), acc[r]);
             if (kind == SPECDEC_TILE_Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(c->sum), acc[r]);
         }

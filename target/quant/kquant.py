@@ -18,18 +18,24 @@ import numpy as np
 import torch
 
 from specdec import native
-from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K, TILE_Q6_K,
-                                TILE_Q8_0, raise_for_status)
+from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0,
+                                TILE_Q5_K, TILE_Q6_K, TILE_Q8_0, raise_for_status)
 
 # bytes per block of BLOCK_INPUTS weights in the file and in a tile (per output channel): equal
-BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q5_K: 176, TILE_Q6_K: 210, TILE_Q5_0: 22, TILE_Q4_0: 18, TILE_Q4_1: 20, TILE_Q8_0: 34}
+BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q5_K: 176, TILE_Q6_K: 210, TILE_Q5_0: 22, TILE_Q4_0: 18, TILE_Q4_1: 20,
+               TILE_IQ4_NL: 18, TILE_MXFP4: 17, TILE_IQ4_XS: 136, TILE_Q8_0: 34}
 BLOCK_INPUTS = {TILE_Q4_K: SUPER, TILE_Q5_K: SUPER, TILE_Q6_K: SUPER, TILE_Q5_0: GROUP, TILE_Q4_0: GROUP,
-                TILE_Q4_1: GROUP, TILE_Q8_0: GROUP}
-# ggml's type id of a GGUF tensor -> the tile kind that holds its blocks as stored
-GGML_KINDS = {12: TILE_Q4_K, 13: TILE_Q5_K, 14: TILE_Q6_K, 6: TILE_Q5_0, 2: TILE_Q4_0, 3: TILE_Q4_1, 8: TILE_Q8_0}
+                TILE_Q4_1: GROUP, TILE_IQ4_NL: GROUP, TILE_MXFP4: GROUP, TILE_IQ4_XS: SUPER, TILE_Q8_0: GROUP}
+# ggml's type id of a GGUF tensor -> the tile kind that holds its blocks as stored (the same number but Q8_0's)
+GGML_KINDS = {12: TILE_Q4_K, 13: TILE_Q5_K, 14: TILE_Q6_K, 6: TILE_Q5_0, 2: TILE_Q4_0, 3: TILE_Q4_1, 20: TILE_IQ4_NL,
+              39: TILE_MXFP4, 23: TILE_IQ4_XS, 8: TILE_Q8_0}
 KIND_NAMES = {TILE_Q4_K: "Q4_K", TILE_Q5_K: "Q5_K", TILE_Q6_K: "Q6_K", TILE_Q5_0: "Q5_0", TILE_Q4_0: "Q4_0",
-              TILE_Q4_1: "Q4_1", TILE_Q8_0: "Q8_0"}
-BLOCK32_KINDS = frozenset((TILE_Q5_0, TILE_Q4_0, TILE_Q4_1))  # block32_tiles.h's: d (and m) per 32, then nibbles
+              TILE_Q4_1: "Q4_1", TILE_IQ4_NL: "IQ4_NL", TILE_MXFP4: "MXFP4", TILE_IQ4_XS: "IQ4_XS", TILE_Q8_0: "Q8_0"}
+# block32_tiles.h's: blocks of 32 inputs, their nibbles in the int4 tiles' layout, then d (and m)
+BLOCK32_KINDS = frozenset((TILE_Q5_0, TILE_Q4_0, TILE_Q4_1, TILE_IQ4_NL, TILE_MXFP4))
+# the 16 values of a table kind's 4-bit codes (ggml's kvalues_iq4nl, kvalues_mxfp4: e2m1 doubled)
+TABLES = {TILE_IQ4_NL: (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+          TILE_MXFP4: (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)}
 # kinds whose activations the kernel quantizes per 256 inputs (Q8_K); the others per 32, as int4 / int8
 SUPER_KINDS = frozenset(k for k, n in BLOCK_INPUTS.items() if n == SUPER)
 ROWS_PER_CHUNK = 4096  # output channels repacked at once by torch: ~10 MB of temporaries for K = 1536
@@ -78,7 +84,9 @@ def pack_kquant_torch(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor
     """`pack_kquant` in torch ops (the reference the C packer is tested against)."""
     n = raw.shape[0]
     pack = {TILE_Q4_K: _pack_q4_k, TILE_Q5_K: _pack_q5_k, TILE_Q6_K: _pack_q6_k, TILE_Q5_0: _pack_q5_0,
-            TILE_Q4_0: _pack_q4_0, TILE_Q4_1: _pack_q4_1, TILE_Q8_0: _pack_q8_0}[kind]
+            TILE_Q4_0: _pack_q4_0, TILE_Q4_1: _pack_q4_1, TILE_IQ4_NL: _pack_iq4_nl, TILE_MXFP4: _pack_mxfp4,
+            TILE_IQ4_XS: _pack_iq4_xs,
+            TILE_Q8_0: _pack_q8_0}[kind]
     return torch.cat([pack(_rows(raw[r : r + ROWS_PER_CHUNK])) for r in range(0, n, ROWS_PER_CHUNK)])
 
 
@@ -227,6 +235,52 @@ def _pack_q4_1(rows: torch.Tensor) -> torch.Tensor:
     return _pack_q4_0(rows, TILE_Q4_1)
 
 
+def _pack_iq4_nl(rows: torch.Tensor) -> torch.Tensor:  # d, qs[16]: Q4_0's bytes, the codes looked up
+    return _pack_q4_0(rows, TILE_IQ4_NL)
+
+
+def _pack_mxfp4(rows: torch.Tensor) -> torch.Tensor:
+    """MXFP4 `[n, G, 17]` (e, qs[16]): the codes in the int4 layout, then e[16]."""
+    blocks = _blocks(rows, TILE_MXFP4)
+    n, g = blocks.shape[:2]
+    qs = blocks[..., 1:]
+    q = torch.cat((qs & 0x0F, qs >> 4), -1).reshape(n, 32 * g)
+    e = _per_tile(blocks[..., 0:1].contiguous()).reshape(n // TILE, g, TILE)
+    return torch.cat((_int4_layout(q).view(n // TILE, g, 256), e), -1).reshape(-1)
+
+
+def iq4_xs_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """IQ4_XS `[n, S, 136]` (d, scales_h, scales_l[4], qs[128]) -> codes `[n, 256 S]` 0..15, ls
+    `[n, S, 8]` 0..63 (w = d * (ls - 32) * kvalues_iq4nl[code]), d `[n, S]` fp16 bits."""
+    n, s = blocks.shape[:2]
+    d = blocks[..., 0:2].contiguous().view(torch.int16).view(n, s)
+    high = blocks[..., 2:4].to(torch.int32)
+    high = high[..., 0] | (high[..., 1] << 8)  # [n, S] uint16 scales_h
+    low = blocks[..., 4:8].unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)  # [n, S, 4, 2]
+    top = (high.unsqueeze(-1) >> (2 * torch.arange(8, dtype=torch.int32))) & 3  # [n, S, 8]
+    ls = (low.reshape(n, s, 8) & 15) | (top.to(torch.uint8) << 4)
+    qs = blocks[..., 8:].reshape(n, s, 8, 16)
+    q = torch.cat((qs & 15, qs >> 4), -1).reshape(n, 256 * s)
+    return q, ls, d
+
+
+def _pack_iq4_xs(rows: torch.Tensor) -> torch.Tensor:
+    q, ls, d = iq4_xs_parts(_blocks(rows, TILE_IQ4_XS))
+    t, s = q.shape[0] // TILE, q.shape[1] // SUPER
+    ls_t = _per_tile(ls)  # [t, S, 8, 16]
+    low = ((ls_t[:, :, 0::2] & 15) | ((ls_t[:, :, 1::2] & 15) << 4)).reshape(t, s, 64)
+    hi = (ls_t >> 4).view(t, s, 2, 4, TILE) << (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
+    top = hi.sum(3, dtype=torch.uint8).reshape(t, s, 32)
+    return torch.cat((_int4_layout(q).view(t, s, 2048), low, top, _fp16_bytes(d)), -1).reshape(-1)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """ggml's e8m0_to_fp32_half: uint8 exponents -> 2^(e - 128) fp32, subnormal below e = 2."""
+    x = e.to(torch.int32)
+    bits = torch.where(x < 2, torch.tensor(0x00200000, dtype=torch.int32) << x, (x - 1) << 23)
+    return bits.view(torch.float32)
+
+
 def _pack_q8_0(rows: torch.Tensor) -> torch.Tensor:
     blocks = _blocks(rows, TILE_Q8_0)
     n, g = blocks.shape[:2]
@@ -252,6 +306,13 @@ def dequantize_tiles(tiles: torch.Tensor, kind: int, in_features: int) -> torch.
     def fp16(v: torch.Tensor) -> torch.Tensor:  # [t, S, 32] bytes -> [16 t, S, 1] fp32
         return untile(v.contiguous().view(torch.float16).view(t, s, 1, TILE)).float()
 
+    if kind == TILE_IQ4_XS:
+        v = torch.tensor(TABLES[TILE_IQ4_NL], dtype=torch.float32)[_from_int4_layout(b[..., :2048].reshape(t, -1, 64)).long()]
+        pairs = b[..., 2048:2112].reshape(t, s, 4, 1, 16) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+        top = b[..., 2112:2144].reshape(t, s, 2, 1, 16) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
+        ls = (pairs.reshape(t, s, 8, 16) & 15) | ((top.reshape(t, s, 8, 16) & 3) << 4)
+        w = (fp16(b[..., 2144:2176]) * (untile(ls).float() - 32))[..., None] * v.view(-1, s, 8, 32)
+        return w.reshape(-1, in_features)
     if kind in (TILE_Q4_K, TILE_Q5_K):
         q = _from_int4_layout(b[..., :2048].reshape(t, -1, 64))
         if kind == TILE_Q5_K:
@@ -285,6 +346,12 @@ def _dequantize_block32(tiles: torch.Tensor, kind: int, in_features: int) -> tor
     low = _from_int4_layout(b[..., :256].reshape(t, -1, 64))  # [16 t, K]
     if kind == TILE_Q5_0:
         q = (low | (_from_top_plane(b[..., 256:320]) << 4)).float() - 16
+    elif kind in TABLES:
+        q = torch.tensor(TABLES[kind], dtype=torch.float32)[low.long()]
+        if kind == TILE_MXFP4:
+            d = e8m0_half(b[..., 256:272]).permute(0, 2, 1).reshape(t * TILE, g, 1)
+        else:
+            d = b[..., 256:288].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g, 1).float()
     else:
         q = low.float() - (8 if kind == TILE_Q4_0 else 0)
         d = b[..., 256:288].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * TILE, g, 1).float()

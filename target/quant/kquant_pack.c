@@ -1,4 +1,4 @@
-/* GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q4_0 / Q4_1 / Q8_0 rows -> qgemm's tiles of those formats (the layouts of
+/* GGUF Q4_K / Q5_K / Q6_K / Q5_0 / Q4_0 / Q4_1 / IQ4_NL / MXFP4 / Q8_0 rows -> qgemm's tiles of those formats (the layouts of
  * kquant_tiles.h and block32_tiles.h), byte for byte what `kquant.py`'s torch packer makes
  * (tested), ~50x faster: the default target's 0.98 GB of blocks repack in well under a second
  * instead of ~10 s. Plain C: a reshuffle of bytes. */
@@ -124,16 +124,40 @@ static void pack_q5_0_group(const uint8_t *const *rows, uint8_t *out) {
     }
 }
 
-/* one 32-input group of a Q4_0 (`m` 0) or Q4_1 tile: the nibbles in the int4 layout, d[16], m[16] */
-static void pack_q4_01_group(const uint8_t *const *rows, int m, uint8_t *out) {
+/* one 32-input group of a Q4_0 (`m` 0, `e` 0) or Q4_1 tile: the nibbles in the int4 layout, d[16], m[16];
+ * IQ4_NL's is Q4_0's; MXFP4 (`e`): its exponent bytes e[16] instead of d */
+static void pack_q4_01_group(const uint8_t *const *rows, int m, int e, uint8_t *out) {
     for (int n = 0; n < TILE; n++) {
-        const uint8_t *blk = rows[n], *qs = blk + (m ? 4 : 2);
+        const uint8_t *blk = rows[n], *qs = blk + (m ? 4 : e ? 1 : 2);
+        if (e) out[256 + n] = blk[0];
         uint8_t q[GROUP];
         for (int j = 0; j < 16; j++) q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4;
         for (int b = 0; b < 4; b++)
             for (int i = 0; i < 4; i++) out[64 * b + 4 * n + i] = (uint8_t)(q[8 * b + i] | q[8 * b + 4 + i] << 4);
-        memcpy(out + 256 + 2 * n, blk, 2); /* d */
+        if (!e) memcpy(out + 256 + 2 * n, blk, 2); /* d */
         if (m) memcpy(out + 288 + 2 * n, blk + 2, 2);
+    }
+}
+
+/* one super-block of an IQ4_XS tile: the codes in the int4 layout, the 6-bit ls_j as a plane of
+ * low nibbles (byte 16 (j / 2) + n, even j low) and of top 2-bit pairs (byte 16 (j / 4) + n, bits
+ * 2 (j % 4)), d[16] */
+static void pack_iq4_xs_super(const uint8_t *const *rows, uint8_t *out) {
+    memset(out + 2048, 0, 96);
+    for (int n = 0; n < TILE; n++) {
+        const uint8_t *blk = rows[n], *qs = blk + 8;
+        const unsigned high = (unsigned)blk[2] | (unsigned)blk[3] << 8;
+        uint8_t q[SUPER];
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < 16; i++) q[32 * j + i] = qs[16 * j + i] & 15, q[32 * j + 16 + i] = qs[16 * j + i] >> 4;
+        for (int b = 0; b < 32; b++)
+            for (int i = 0; i < 4; i++) out[64 * b + 4 * n + i] = (uint8_t)(q[8 * b + i] | q[8 * b + 4 + i] << 4);
+        for (int j = 0; j < 8; j++) {
+            const unsigned ls = ((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | ((high >> (2 * j)) & 3) << 4;
+            out[2048 + 16 * (j / 2) + n] |= (uint8_t)((ls & 15) << (4 * (j % 2)));
+            out[2112 + 16 * (j / 4) + n] |= (uint8_t)((ls >> 4) << (2 * (j % 4)));
+        }
+        memcpy(out + 2144 + 2 * n, blk, 2); /* d */
     }
 }
 
@@ -145,6 +169,9 @@ static int block_geometry(int kind, int64_t *inputs, int64_t *block) {
         case SPECDEC_TILE_Q6_K: *inputs = SUPER, *block = 210; return 1;
         case SPECDEC_TILE_Q4_0: *inputs = GROUP, *block = 18; return 1;
         case SPECDEC_TILE_Q4_1: *inputs = GROUP, *block = 20; return 1;
+        case SPECDEC_TILE_IQ4_NL: *inputs = GROUP, *block = 18; return 1;
+        case SPECDEC_TILE_MXFP4: *inputs = GROUP, *block = 17; return 1;
+        case SPECDEC_TILE_IQ4_XS: *inputs = SUPER, *block = 136; return 1;
         case SPECDEC_TILE_Q5_0: *inputs = GROUP, *block = 22; return 1;
         case SPECDEC_TILE_Q8_0: *inputs = GROUP, *block = 34; return 1;
         default: return 0;
@@ -170,8 +197,10 @@ int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, in
         switch (kind) {
             case SPECDEC_TILE_Q4_K: pack_k_super(rows, 0, dst); break;
             case SPECDEC_TILE_Q5_K: pack_k_super(rows, 1, dst); break;
-            case SPECDEC_TILE_Q4_0: pack_q4_01_group(rows, 0, dst); break;
-            case SPECDEC_TILE_Q4_1: pack_q4_01_group(rows, 1, dst); break;
+            case SPECDEC_TILE_Q4_0: case SPECDEC_TILE_IQ4_NL: pack_q4_01_group(rows, 0, 0, dst); break;
+            case SPECDEC_TILE_Q4_1: pack_q4_01_group(rows, 1, 0, dst); break;
+            case SPECDEC_TILE_MXFP4: pack_q4_01_group(rows, 0, 1, dst); break;
+            case SPECDEC_TILE_IQ4_XS: pack_iq4_xs_super(rows, dst); break;
             case SPECDEC_TILE_Q6_K: pack_q6_k_super(rows, dst); break;
             case SPECDEC_TILE_Q5_0: pack_q5_0_group(rows, dst); break;
             default: pack_q8_0_group(rows, dst); break;
@@ -199,6 +228,17 @@ static float half_to_float(uint16_t h) {
 }
 
 static float f16_at(const uint8_t *p) { return half_to_float((uint16_t)(p[0] | p[1] << 8)); }
+
+/* ggml's e8m0_to_fp32_half: 2^(e - 128), subnormal below e = 2 */
+static float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static void store_value(void *out, int out_bf16, int64_t i, float v) {
     if (!out_bf16) {
@@ -252,6 +292,26 @@ int gguf_rows(const uint8_t *raw, int64_t row_stride, int64_t rows, const int64_
                 for (int j = 0; j < 16; j++) {
                     store_value(out, out_bf16, at + j, d * (float)((int)((blk[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16));
                     store_value(out, out_bf16, at + 16 + j, d * (float)((int)((blk[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16));
+                }
+            } else if (kind == SPECDEC_TILE_IQ4_XS) { /* (d * (ls_j - 32)) * table[q], as gguf */
+                const float d = f16_at(blk);
+                const unsigned high = (unsigned)blk[2] | (unsigned)blk[3] << 8;
+                for (int j = 0; j < 8; j++) {
+                    const int ls = (int)(((blk[4 + j / 2] >> (4 * (j % 2))) & 15) | ((high >> (2 * j)) & 3) << 4);
+                    const float dl = d * (float)(ls - 32);
+                    for (int i = 0; i < 16; i++) {
+                        store_value(out, out_bf16, at + 32 * j + i, dl * (float)IQ4_NL_VALUES[blk[8 + 16 * j + i] & 15]);
+                        store_value(out, out_bf16, at + 32 * j + 16 + i, dl * (float)IQ4_NL_VALUES[blk[8 + 16 * j + i] >> 4]);
+                    }
+                }
+            } else if (kind == SPECDEC_TILE_IQ4_NL || kind == SPECDEC_TILE_MXFP4) { /* d * table[q] */
+                const int mx = kind == SPECDEC_TILE_MXFP4;
+                const int8_t *table = mx ? MXFP4_VALUES : IQ4_NL_VALUES;
+                const float d = mx ? e8m0_half(blk[0]) : f16_at(blk);
+                const uint8_t *qs = blk + (mx ? 1 : 2);
+                for (int j = 0; j < 16; j++) {
+                    store_value(out, out_bf16, at + j, d * (float)table[qs[j] & 15]);
+                    store_value(out, out_bf16, at + 16 + j, d * (float)table[qs[j] >> 4]);
                 }
             } else if (kind == SPECDEC_TILE_Q4_0 || kind == SPECDEC_TILE_Q4_1) { /* d * (q - 8); d * q + m */
                 const int q41 = kind == SPECDEC_TILE_Q4_1;

@@ -20,6 +20,12 @@
  *   Q5_K (2816 = 16 x 176): Q4_K's 2304 bytes (its low nibbles), then per sub-block j of 32 inputs
  *     64 B of top bits in block32_tiles.h's Q5_0 plane (byte 4n+i, bit 2b+h: the top bit of
  *     q[n][32j+8b+4h+i]); w = d * sc_j * q - dmin * m_j with q 0..31, computed as Q4_K's.
+ *   IQ4_XS (2176 = 16 x 136): 32 blocks of 64 B of 4-bit codes in the int4 layout; 64 B [j/2][n]:
+ *     the low 4 bits of ls_j (even j) | of ls_j+1 << 4; 32 B [j/4][n]: the top 2 bits of ls_j at bits
+ *     2 (j % 4); d[16] fp16. w = d * (ls_j - 32) * kvalues_iq4nl[q] (sub-blocks j of 32):
+ *         y += (d * xs) * cvt(sum_j (ls_j - 32) * sum(v * xq))
+ *     with v the table's signed values (256 bits: `vpsignb` products) or v + 128 (512 bits:
+ *     `vpdpbusd`, minus 128 * sum_j(xq)): the same integers.
  *   Q6_K (3360 = 16 x 210): 32 blocks of 96 B: 64 B low nibbles as Q4_K's, then 32 B of top bits
  *     (bits 2v, 2v+1 of byte i: the top two bits of value i of the block's vector v, v = 0..3 the
  *     32-byte vectors low nibbles of bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63);
@@ -29,6 +35,7 @@
 #define SUPER 256
 #define Q4K_SUPER_BYTES 2304
 #define Q5K_SUPER_BYTES 2816
+#define IQ4XS_SUPER_BYTES 2176
 #define Q6K_SUPER_BYTES 3360
 /* Rows per register pass over a tile: their sums and the weights about fill the ymm registers. 4:
  * a 4-row verify window in one pass, not 3 + 1 (`kernel_ab.py` at avx2: Q4_K 1.13-1.16x, Q6_K
@@ -187,6 +194,69 @@ static inline __attribute__((always_inline)) void q4k_rows(const uint8_t *tile, 
     }
 }
 
+/* IQ4_NL's 16 values (ggml's kvalues_iq4nl) in a 128-bit lane for `vpshufb`; `wide`: plus 128 */
+static inline __m128i iq4nl_table(int wide) {
+    if (wide) return _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166, (char)181,
+                                   (char)197, (char)217, (char)241);
+    return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+}
+
+/* ls_j - 32 (int8, 16 outputs) of an IQ4_XS super-block's scales `s` (its 64 + 32 bytes) */
+static inline __m128i iq4xs_scales(const uint8_t *s, int j) {
+    const __m128i low = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(s + 16 * (j / 2))), 4 * (j & 1)), _mm_set1_epi8(0x0F));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(s + 64 + 16 * (j / 4))), 2 * (j % 4)), _mm_set1_epi8(0x03));
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
+}
+
+/* R <= KQUANT_PASS rows against an IQ4_XS tile (as q4k_rows): each sub-block's signed products
+ * widened block by block (SIGNED_ACC2), times ls_j - 32 in int32 (`vpmulld`: exact). */
+static inline __attribute__((always_inline)) void iq4xs_rows(const uint8_t *tile, int64_t ahead, int64_t supers,
+                                                            const int8_t *xq, const struct super_consts *sc,
+                                                            int64_t k, const int R, __m256 *lo, __m256 *hi) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i table = _mm256_broadcastsi128_si256(iq4nl_table(0));
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *p = tile + s * IQ4XS_SUPER_BYTES;
+        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            for (int line = 0; line < 5; line++) /* 272 bytes a sub-block: the super-block's share */
+                _mm_prefetch((const char *)p + ahead + 272 * j + 64 * line, _MM_HINT_T0);
+            __m256i a0[KQUANT_PASS], a1[KQUANT_PASS];
+            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_si256();
+            for (int b = 0; b < 4; b++) {
+                const uint8_t *w = p + 64 * (4 * j + b);
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)w), v1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+                const __m256i l0 = _mm256_shuffle_epi8(table, _mm256_and_si256(v0, nibble));
+                const __m256i l1 = _mm256_shuffle_epi8(table, _mm256_and_si256(v1, nibble));
+                const __m256i h0 = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v0, 4), nibble));
+                const __m256i h1 = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v1, 4), nibble));
+                const __m256i ml0 = _mm256_abs_epi8(l0), ml1 = _mm256_abs_epi8(l1);
+                const __m256i mh0 = _mm256_abs_epi8(h0), mh1 = _mm256_abs_epi8(h1);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *a = xq + r * k + s * SUPER + 32 * j + 8 * b;
+                    SIGNED_ACC2(a0[r], a1[r], l0, l1, ml0, ml1, ones, a);
+                    SIGNED_ACC2(a0[r], a1[r], h0, h1, mh0, mh1, ones, a + 4);
+                }
+            }
+            const __m128i scj = iq4xs_scales(p + 2048, j);
+            const __m256i s0 = _mm256_cvtepi8_epi32(scj), s1 = _mm256_cvtepi8_epi32(_mm_srli_si128(scj, 8));
+            for (int r = 0; r < R; r++) {
+                i0[r] = _mm256_add_epi32(i0[r], _mm256_mullo_epi32(a0[r], s0));
+                i1[r] = _mm256_add_epi32(i1[r], _mm256_mullo_epi32(a1[r], s1));
+            }
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2144)));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 2160)));
+        for (int r = 0; r < R; r++) {
+            const __m256 xs = _mm256_set1_ps(sc[r * supers + s].scale);
+            lo[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), _mm256_cvtepi32_ps(i0[r]), lo[r]);
+            hi[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), _mm256_cvtepi32_ps(i1[r]), hi[r]);
+        }
+    }
+}
+
 /* The four 6-bit vectors of a Q6_K block at w (see the layout above). */
 static inline void q6k_block(const uint8_t *w, __m256i *v) {
     const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
@@ -305,6 +375,44 @@ static inline __attribute__((always_inline)) void q4k_rows_wide(const uint8_t *t
             const __m512 t = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(i[r]), _mm512_mul_ps(dm, _mm512_cvtepi32_ps(m[r])));
             acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * supers + s].scale), t, acc[r]);
         }
+    }
+}
+
+/* iq4xs_rows in 512 bits: the codes looked up as v + 128 and summed by `vpdpbusd`, minus 128 *
+ * sum_j(xq): each sub-block's sum(v * xq), then times ls_j - 32, as the 256-bit passes. */
+static inline __attribute__((always_inline)) void iq4xs_rows_wide(const uint8_t *tile, int64_t ahead, int64_t supers,
+                                                                 const int8_t *xq, const struct super_consts *sc,
+                                                                 int64_t k, const int R, __m512 *acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(iq4nl_table(1));
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *p = tile + s * IQ4XS_SUPER_BYTES;
+        const int8_t *xs0 = xq + s * SUPER;
+        __m512i i[MAX_ROWS];
+        for (int r = 0; r < R; r++) i[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            for (int line = 0; line < 5; line++) /* 272 bytes a sub-block: the super-block's share */
+                _mm_prefetch((const char *)p + ahead + 272 * j + 64 * line, _MM_HINT_T0);
+            __m512i a[MAX_ROWS];
+            for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+            for (int b = 0; b < 4; b++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (4 * j + b)));
+                const __m512i l = _mm512_shuffle_epi8(table, _mm512_and_si512(w, nibble));
+                const __m512i h = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble));
+                for (int r = 0; r < R; r++) {
+                    DPBUSD_BCST(a[r], l, xs0 + r * k + 32 * j + 8 * b);
+                    DPBUSD_BCST(a[r], h, xs0 + r * k + 32 * j + 8 * b + 4);
+                }
+            }
+            const __m512i s32 = _mm512_cvtepi8_epi32(iq4xs_scales(p + 2048, j));
+            for (int r = 0; r < R; r++) {
+                const __m512i v = _mm512_sub_epi32(a[r], _mm512_set1_epi32(128 * sc[r * supers + s].sum32[j]));
+                i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(v, s32));
+            }
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2144)));
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(sc[r * supers + s].scale)), _mm512_cvtepi32_ps(i[r]), acc[r]);
     }
 }
 

@@ -25,7 +25,8 @@
  *   int4: 4 blocks of 64 B (8 inputs x 16 outputs each: byte 4n+i = q[n][8b+i] | q[n][8b+4+i] << 4),
  *         then step[16], zero[16] as bf16;
  *   int8: 8 blocks of 64 B (4 inputs x 16 outputs each: byte 4n+i = q[n][4b+i]), then step[16] bf16;
- *   GGUF's Q8_0: int8's with step[16] fp16 (the file's d); Q5_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: block32_tiles.h and
+ *   GGUF's Q8_0: int8's with step[16] fp16 (the file's d); Q5_0, Q4_0, Q4_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K:
+ *   block32_tiles.h and
  *   kquant_tiles.h.
  */
 #include <math.h>
@@ -49,7 +50,7 @@ struct group_consts {
 
 #include "qgemm_tiles.h" /* tile_rows and MAX_ROWS for this build's instruction set */
 #include "kquant_tiles.h" /* q4k_rows, q6k_rows: GGUF's Q4_K, Q5_K and Q6_K tiles, one source for every level */
-#include "block32_tiles.h" /* b32_rows: GGUF's Q5_0, Q4_0 and Q4_1 tiles, one source for every level */
+#include "block32_tiles.h" /* b32_rows: GGUF's Q5_0, Q4_0, Q4_1, IQ4_NL and MXFP4 tiles, one source for every level */
 
 /* The 32 fp32 inputs of group g of row r: x itself, RMSNorm(x) (norm_w), or with `glu` (x is
  * [M, 2K], gate | up) silu(gate) * up, computed in fp32. */
@@ -167,6 +168,7 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         const int64_t ahead = row == 0 ? PREFETCH_BYTES : next_ahead;                                    \
         if (bits == SPECDEC_TILE_Q4_K) q4k_rows_wide(tile, ahead, supers, 0, xqs + row * k, sc + row * supers, k, R, acc); \
         else if (bits == SPECDEC_TILE_Q5_K) q4k_rows_wide(tile, ahead, supers, 1, xqs + row * k, sc + row * supers, k, R, acc); \
+        else if (bits == SPECDEC_TILE_IQ4_XS) iq4xs_rows_wide(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, acc); \
         else q6k_rows_wide(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, acc);            \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
@@ -181,6 +183,7 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         if (UNPACKED) kquant_rows_unpacked(bits, ku, supers, xqs + row * k, sc + row * supers, k, lo, hi); \
         else if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, 0, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else if (bits == SPECDEC_TILE_Q5_K) q4k_rows(tile, ahead, supers, 1, xqs + row * k, sc + row * supers, k, R, lo, hi); \
+        else if (bits == SPECDEC_TILE_IQ4_XS) iq4xs_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else q6k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi);              \
         vf acc[KQUANT_PASS];                                                                             \
         for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
@@ -198,7 +201,7 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
     } while (0)
 
 static inline int is_kquant(int bits) {
-    return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q5_K || bits == SPECDEC_TILE_Q6_K;
+    return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q5_K || bits == SPECDEC_TILE_Q6_K || bits == SPECDEC_TILE_IQ4_XS;
 }
 static inline int is_grouped(int bits) { /* activations per 32 inputs */
     return bits == 4 || bits == 8 || is_block32(bits) || bits == SPECDEC_TILE_Q8_0;
@@ -233,6 +236,8 @@ static inline int is_grouped(int bits) { /* activations per 32 inputs */
 #define B32_WIDE_Q5_0(R) B32_WIDE_ROWS_OF(SPECDEC_TILE_Q5_0, R)
 #define B32_WIDE_Q4_0(R) B32_WIDE_ROWS_OF(SPECDEC_TILE_Q4_0, R)
 #define B32_WIDE_Q4_1(R) B32_WIDE_ROWS_OF(SPECDEC_TILE_Q4_1, R)
+#define B32_WIDE_IQ4_NL(R) B32_WIDE_ROWS_OF(SPECDEC_TILE_IQ4_NL, R)
+#define B32_WIDE_MXFP4(R) B32_WIDE_ROWS_OF(SPECDEC_TILE_MXFP4, R)
 #endif
 
 /* R <= B32_PASS rows against a block32 tile of KIND (block32_tiles.h) */
@@ -284,7 +289,7 @@ static inline int is_grouped(int bits) { /* activations per 32 inputs */
 /* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
  * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
  * the byte offset of each tile in it and `tile_bits[N/16]` its format (4, 8, a GGUF tile
- * SPECDEC_TILE_Q5_0, _Q4_0, _Q4_1 or _Q8_0, or a k-quant tile SPECDEC_TILE_Q4_K, _Q5_K or _Q6_K, whose calls need
+ * SPECDEC_TILE_Q5_0, _Q4_0, _Q4_1, _IQ4_NL, _MXFP4 or _Q8_0, or a k-quant tile SPECDEC_TILE_Q4_K, _Q5_K, _Q6_K or _IQ4_XS, whose calls need
  * K % 256 == 0). x, y, residual
  * [M, N] (NULL: none; may be y) and norm_w are fp32 or bf16 (flags; residual as y), bias fp32
  * or NULL. Returns SPECDEC_OK, SPECDEC_ERR_INVALID_ARGUMENT (sizes off the tile grid, a missing
@@ -352,7 +357,8 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
 #ifdef KQUANT_WIDE /* passes of up to MAX_ROWS rows in 512 bits (kquant_tiles.h) */
                 WIDE_PASSES(KQUANT_WIDE_ROWS);
 #else
-                const uint8_t *ku = kunpacked; /* NULL (few rows, or no memory): decoded in every pass */
+                /* NULL (few rows, no memory, or IQ4_XS: register passes only): decoded in every pass */
+                const uint8_t *ku = bits == SPECDEC_TILE_IQ4_XS ? NULL : kunpacked;
                 for (int64_t s = 0; ku && s < supers; s++)
                     kquant_unpack(bits, tile, s, kunpacked + s * KQUANT_UNPACKED_MAX);
                 for (; ku && row + KQUANT_UNPACKED_PASS <= m; row += KQUANT_UNPACKED_PASS) KQUANT_ROWS(KQUANT_UNPACKED_PASS, 1);
@@ -374,7 +380,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             if (is_block32(bits)) {
                 if (bits == SPECDEC_TILE_Q5_0) B32_TILE(SPECDEC_TILE_Q5_0, B32_WIDE_Q5_0);
                 else if (bits == SPECDEC_TILE_Q4_0) B32_TILE(SPECDEC_TILE_Q4_0, B32_WIDE_Q4_0);
-                else B32_TILE(SPECDEC_TILE_Q4_1, B32_WIDE_Q4_1);
+                else if (bits == SPECDEC_TILE_Q4_1) B32_TILE(SPECDEC_TILE_Q4_1, B32_WIDE_Q4_1);
+                else if (bits == SPECDEC_TILE_IQ4_NL) B32_TILE(SPECDEC_TILE_IQ4_NL, B32_WIDE_IQ4_NL);
+                else B32_TILE(SPECDEC_TILE_MXFP4, B32_WIDE_MXFP4);
                 continue;
             }
 #ifdef UNPACKED_GROUP

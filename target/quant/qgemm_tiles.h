@@ -32,6 +32,19 @@
                 : "x"(w0), "x"(w1), "m"(*(const int32_t *)(a)));                                     \
     } while (0)
 
+/* acc0 (int32) += w0 . a and acc1 += w1 . a for signed weight bytes w (m: |w|, ones: int16 1s):
+ * |w| times the activations with w's signs, pairs summed in int16 (at most 2 x 127 x 127), then
+ * widened at once. asm for MADDUBS_ACC2's reason (above). */
+#define SIGNED_ACC2(acc0, acc1, w0, w1, m0, m1, ones, a)                                           \
+    do {                                                                                           \
+        __m256i b_, t_, u_;                                                                        \
+        __asm__("vpbroadcastd %10, %2\n\tvpsignb %5, %2, %3\n\tvpmaddubsw %3, %7, %3\n\t"          \
+                "vpmaddwd %9, %3, %3\n\tvpaddd %3, %0, %0\n\t"                                      \
+                "vpsignb %6, %2, %4\n\tvpmaddubsw %4, %8, %4\n\tvpmaddwd %9, %4, %4\n\tvpaddd %4, %1, %1" \
+                : "+x"(acc0), "+x"(acc1), "=&x"(b_), "=&x"(t_), "=&x"(u_)                              \
+                : "x"(w0), "x"(w1), "x"(m0), "x"(m1), "x"(ones), "m"(*(const int32_t *)(a)));          \
+    } while (0)
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 
 #define MAX_ROWS 6

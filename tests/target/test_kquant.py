@@ -10,7 +10,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from specdec.kernel_abi import TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K, TILE_Q6_K, TILE_Q8_0
+from specdec.kernel_abi import (TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K,
+                                TILE_Q6_K, TILE_Q8_0)
 from specdec.target.quant import kquant, qgemm
 from specdec.target.quant.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.skipif(
     qgemm.unavailable_reason() is not None, reason=f"w4a8 kernel unavailable: {qgemm.unavailable_reason()}"
 )
 KINDS = {TILE_Q4_K: T.Q4_K, TILE_Q5_K: T.Q5_K, TILE_Q6_K: T.Q6_K, TILE_Q5_0: T.Q5_0, TILE_Q4_0: T.Q4_0,
-         TILE_Q4_1: T.Q4_1, TILE_Q8_0: T.Q8_0}
+         TILE_Q4_1: T.Q4_1, TILE_IQ4_NL: T.IQ4_NL, TILE_MXFP4: T.MXFP4,
+         TILE_IQ4_XS: T.IQ4_XS, TILE_Q8_0: T.Q8_0}
 
 
 def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -35,7 +37,9 @@ def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         blocks[..., 0:4] = scales.reshape(rows, count, 4)
     elif kind == TILE_Q6_K:  # ql[128], qh[64], scales[16] int8, d (fp16)
         blocks[..., 208:210] = scales[..., :2]
-    else:  # Q5_0: d (fp16), qh[4], qs[16]; Q4_0: d, qs[16]; Q8_0: d (fp16), qs[32] int8
+    elif kind == TILE_MXFP4:  # e (2^(e - 128)), qs[16]: exponents around 2^-8, and 0 and 1 (subnormal)
+        blocks[..., 0] = rng.choice(np.array([0, 1, 2, 100, 110, 118, 120, 125, 127], dtype=np.uint8), (rows, count))
+    else:  # Q5_0: d (fp16), qh[4], qs[16]; Q4_0, IQ4_NL: d, qs[16]; Q8_0: d (fp16), qs[32] int8
         blocks[..., 0:2] = scales[..., :2]
     return blocks.reshape(rows, -1)
 
@@ -44,7 +48,7 @@ def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 def test_tiles_hold_exactly_the_files_weights_in_the_files_bytes(kind):
     raw = k_blocks(kind, 48, 768)
     q = QLinear.from_gguf(raw, kind, 768, None)
-    assert q.tiles.numel() == raw.nbytes  # 4.5 / 5.5 / 6.5625 / 5.5 / 4.5 / 5 / 8.5 bits a weight, as the file
+    assert q.tiles.numel() == raw.nbytes  # 4.5 / 5.5 / 6.5625 / 5.5 / 4.5 / 5 / 4.5 / 4.25 / 4.25 / 8.5 bits a weight, as the file
     expected = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]))
     assert torch.equal(dequantize(q), expected)
 
@@ -78,13 +82,18 @@ def test_the_largest_quants_and_activations_do_not_overflow_the_integer_sums(kin
     in the register passes and, at 13 rows, the decoded-once ones."""
     raw = k_blocks(kind, 16, 512, seed=2)
     blocks = raw.reshape(16, -1, kquant.BLOCK_BYTES[kind])
-    keep = {TILE_Q4_K: slice(0, 4), TILE_Q5_K: slice(0, 4), TILE_Q4_1: slice(0, 4), TILE_Q6_K: slice(208, 210)}
+    keep = {TILE_Q4_K: slice(0, 4), TILE_Q5_K: slice(0, 4), TILE_Q4_1: slice(0, 4), TILE_Q6_K: slice(208, 210),
+            TILE_MXFP4: slice(0, 1)}
     scales = blocks[..., keep.get(kind, slice(0, 2))].copy()
     blocks[...] = 0xFF
     if kind == TILE_Q6_K:  # sub-scales 127 and quants 63: w = d * 127 * 31
         blocks[..., 192:208] = 127
     if kind == TILE_Q8_0:  # the codes -128..127 as int8: -128 is the largest product
         blocks[..., 2:] = 0x80
+    if kind in (TILE_IQ4_NL, TILE_MXFP4):  # each table's largest value: -127 (code 0), 12 (code 7)
+        blocks[..., 2 if kind == TILE_IQ4_NL else 1 :] = 0x00 if kind == TILE_IQ4_NL else 0x77
+    if kind == TILE_IQ4_XS:  # ls 63 (w = d * 31 * -127)
+        blocks[..., 8:] = 0x00
     blocks[..., keep.get(kind, slice(0, 2))] = scales
     if kind in (TILE_Q4_K, TILE_Q5_K):  # no min: every weight d * 63 * q
         blocks[..., 2:4] = 0
@@ -190,6 +199,27 @@ def test_q5_k_q4_0_q4_1_tensors_read_as_stored_and_a_type_without_a_kernel_is_na
     line = next(x for x in err.splitlines() if " Q3_K tensors" in x)
     assert "(mlp.down_proj, self_attn.v_proj in 2 layers): no kernel yet" in line and "MB where the file holds" in line
     assert "F16 tensor (lm_head): no kernel yet" in err
+    assert model(*_prompt_inputs(model)).isfinite().all()
+
+
+def test_iq4_xs_iq4_nl_and_mxfp4_tensors_read_as_stored(tmp_path, monkeypatch):
+    """A GGUF whose matrices are IQ4_XS (for Q4_K), IQ4_NL (Q5_0), MXFP4 (Q8_0) and Q5_K (Q6_K): every one a
+    tile of the file's values, and nothing re-quantized (no cache file)."""
+    from specdec.target.model_weights import load_model
+    from specdec.target.quant.cache_file import quant_cache_path
+    from tests.target.test_gguf_streaming import _prompt_inputs
+
+    folder = _tiny_gguf(tmp_path, monkeypatch, k_quants_only=False,
+                        types={"Q4_K": "IQ4_XS", "Q5_0": "IQ4_NL", "Q8_0": "MXFP4", "Q6_K": "Q5_K", "F16": "IQ4_NL"})
+    dense = load_model(folder, torch.float32)
+    model = load_model(folder, torch.bfloat16, quant="gguf")
+    layer, d = model.model.layers[0], dense.model.layers[0]
+    assert set(layer.self_attn.o_proj.tile_bits.tolist()) == {TILE_MXFP4}
+    assert torch.equal(dequantize(layer.self_attn.o_proj), d.self_attn.o_proj.weight)
+    assert set(layer.mlp.gate_up_proj.tile_bits.tolist()) == {TILE_IQ4_NL, TILE_IQ4_XS}
+    assert torch.equal(dequantize(layer.mlp.gate_up_proj), torch.cat([d.mlp.gate_proj.weight, d.mlp.up_proj.weight]))
+    assert set(model.lm_head.tile_bits.tolist()) == {TILE_IQ4_NL}
+    assert not quant_cache_path(folder, "gguf", torch.bfloat16).exists()
     assert model(*_prompt_inputs(model)).isfinite().all()
 
 
