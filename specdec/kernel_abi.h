@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 10
+#define SPECDEC_ABI_VERSION 11
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_SUPER 256         /* qgemm: inputs per k-quant super-block */
@@ -23,6 +23,8 @@
 #define SPECDEC_TILE_IQ4_NL 20    /* qgemm tile_bits of a GGUF IQ4_NL tile */
 #define SPECDEC_TILE_MXFP4 39     /* qgemm tile_bits of a GGUF MXFP4 tile */
 #define SPECDEC_TILE_IQ4_XS 23    /* qgemm tile_bits of a GGUF IQ4_XS tile */
+#define SPECDEC_TILE_Q3_K 11      /* qgemm tile_bits of a GGUF Q3_K tile */
+#define SPECDEC_TILE_Q2_K 10      /* qgemm tile_bits of a GGUF Q2_K tile */
 #define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
 #define SPECDEC_MAX_LATENT_DIM 1024 /* latent_attend: the widest latent (rank + rope) */
 #define SPECDEC_SHM_HEADER 4096   /* group_allreduce: the region's header (progress, process ids) */

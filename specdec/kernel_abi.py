@@ -14,7 +14,7 @@ import enum
 
 import torch
 
-ABI_VERSION = 10  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 11  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 SUPER = 256  # SPECDEC_SUPER: inputs per k-quant super-block
@@ -28,6 +28,8 @@ TILE_Q5_K = 13  # SPECDEC_TILE_Q5_K: of a GGUF Q5_K tile
 TILE_IQ4_NL = 20  # SPECDEC_TILE_IQ4_NL: of a GGUF IQ4_NL tile
 TILE_MXFP4 = 39  # SPECDEC_TILE_MXFP4: of a GGUF MXFP4 tile
 TILE_IQ4_XS = 23  # SPECDEC_TILE_IQ4_XS: of a GGUF IQ4_XS tile
+TILE_Q3_K = 11  # SPECDEC_TILE_Q3_K: of a GGUF Q3_K tile
+TILE_Q2_K = 10  # SPECDEC_TILE_Q2_K: of a GGUF Q2_K tile
 MAX_HEAD_DIM = 512  # SPECDEC_MAX_HEAD_DIM: rope_write_attend's per-thread query buffer
 MAX_LATENT_DIM = 1024  # SPECDEC_MAX_LATENT_DIM: latent_attend's widest latent
 SHM_HEADER = 4096  # SPECDEC_SHM_HEADER: group_allreduce's region header
@@ -157,7 +159,8 @@ CONSTANTS = {"SPECDEC_GROUP": GROUP, "SPECDEC_TILE": TILE, "SPECDEC_SUPER": SUPE
              "SPECDEC_TILE_Q4_K": TILE_Q4_K, "SPECDEC_TILE_Q6_K": TILE_Q6_K, "SPECDEC_TILE_Q5_0": TILE_Q5_0,
              "SPECDEC_TILE_Q8_0": TILE_Q8_0, "SPECDEC_TILE_Q4_0": TILE_Q4_0,
              "SPECDEC_TILE_Q4_1": TILE_Q4_1, "SPECDEC_TILE_Q5_K": TILE_Q5_K, "SPECDEC_TILE_IQ4_NL": TILE_IQ4_NL,
-             "SPECDEC_TILE_MXFP4": TILE_MXFP4, "SPECDEC_TILE_IQ4_XS": TILE_IQ4_XS, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
+             "SPECDEC_TILE_MXFP4": TILE_MXFP4, "SPECDEC_TILE_IQ4_XS": TILE_IQ4_XS,
+             "SPECDEC_TILE_Q3_K": TILE_Q3_K, "SPECDEC_TILE_Q2_K": TILE_Q2_K, "SPECDEC_MAX_HEAD_DIM": MAX_HEAD_DIM,
              "SPECDEC_MAX_LATENT_DIM": MAX_LATENT_DIM, "SPECDEC_SHM_HEADER": SHM_HEADER,
              **{f"SPECDEC_{s.name}": int(s) for s in Status}}
 

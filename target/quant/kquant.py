@@ -18,19 +18,21 @@ import numpy as np
 import torch
 
 from specdec import native
-from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0,
+from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q2_K, TILE_Q3_K, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0,
                                 TILE_Q5_K, TILE_Q6_K, TILE_Q8_0, raise_for_status)
 
 # bytes per block of BLOCK_INPUTS weights in the file and in a tile (per output channel): equal
 BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q5_K: 176, TILE_Q6_K: 210, TILE_Q5_0: 22, TILE_Q4_0: 18, TILE_Q4_1: 20,
-               TILE_IQ4_NL: 18, TILE_MXFP4: 17, TILE_IQ4_XS: 136, TILE_Q8_0: 34}
+               TILE_IQ4_NL: 18, TILE_MXFP4: 17, TILE_IQ4_XS: 136, TILE_Q3_K: 110, TILE_Q2_K: 84, TILE_Q8_0: 34}
 BLOCK_INPUTS = {TILE_Q4_K: SUPER, TILE_Q5_K: SUPER, TILE_Q6_K: SUPER, TILE_Q5_0: GROUP, TILE_Q4_0: GROUP,
-                TILE_Q4_1: GROUP, TILE_IQ4_NL: GROUP, TILE_MXFP4: GROUP, TILE_IQ4_XS: SUPER, TILE_Q8_0: GROUP}
+                TILE_Q4_1: GROUP, TILE_IQ4_NL: GROUP, TILE_MXFP4: GROUP, TILE_IQ4_XS: SUPER,
+                TILE_Q3_K: SUPER, TILE_Q2_K: SUPER, TILE_Q8_0: GROUP}
 # ggml's type id of a GGUF tensor -> the tile kind that holds its blocks as stored (the same number but Q8_0's)
 GGML_KINDS = {12: TILE_Q4_K, 13: TILE_Q5_K, 14: TILE_Q6_K, 6: TILE_Q5_0, 2: TILE_Q4_0, 3: TILE_Q4_1, 20: TILE_IQ4_NL,
-              39: TILE_MXFP4, 23: TILE_IQ4_XS, 8: TILE_Q8_0}
+              39: TILE_MXFP4, 23: TILE_IQ4_XS, 11: TILE_Q3_K, 10: TILE_Q2_K, 8: TILE_Q8_0}
 KIND_NAMES = {TILE_Q4_K: "Q4_K", TILE_Q5_K: "Q5_K", TILE_Q6_K: "Q6_K", TILE_Q5_0: "Q5_0", TILE_Q4_0: "Q4_0",
-              TILE_Q4_1: "Q4_1", TILE_IQ4_NL: "IQ4_NL", TILE_MXFP4: "MXFP4", TILE_IQ4_XS: "IQ4_XS", TILE_Q8_0: "Q8_0"}
+              TILE_Q4_1: "Q4_1", TILE_IQ4_NL: "IQ4_NL", TILE_MXFP4: "MXFP4", TILE_IQ4_XS: "IQ4_XS",
+              TILE_Q3_K: "Q3_K", TILE_Q2_K: "Q2_K", TILE_Q8_0: "Q8_0"}
 # block32_tiles.h's: blocks of 32 inputs, their nibbles in the int4 tiles' layout, then d (and m)
 BLOCK32_KINDS = frozenset((TILE_Q5_0, TILE_Q4_0, TILE_Q4_1, TILE_IQ4_NL, TILE_MXFP4))
 # the 16 values of a table kind's 4-bit codes (ggml's kvalues_iq4nl, kvalues_mxfp4: e2m1 doubled)
@@ -85,7 +87,7 @@ def pack_kquant_torch(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor
     n = raw.shape[0]
     pack = {TILE_Q4_K: _pack_q4_k, TILE_Q5_K: _pack_q5_k, TILE_Q6_K: _pack_q6_k, TILE_Q5_0: _pack_q5_0,
             TILE_Q4_0: _pack_q4_0, TILE_Q4_1: _pack_q4_1, TILE_IQ4_NL: _pack_iq4_nl, TILE_MXFP4: _pack_mxfp4,
-            TILE_IQ4_XS: _pack_iq4_xs,
+            TILE_IQ4_XS: _pack_iq4_xs, TILE_Q3_K: _pack_q3_k, TILE_Q2_K: _pack_q2_k,
             TILE_Q8_0: _pack_q8_0}[kind]
     return torch.cat([pack(_rows(raw[r : r + ROWS_PER_CHUNK])) for r in range(0, n, ROWS_PER_CHUNK)])
 
@@ -274,6 +276,62 @@ def _pack_iq4_xs(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat((_int4_layout(q).view(t, s, 2048), low, top, _fp16_bytes(d)), -1).reshape(-1)
 
 
+def q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q3_K `[n, S, 110]` (hmask[32], qs[64], scales[12], d) -> q `[n, 256 S]` 0..7 (w = d * (sc - 32) *
+    (q - 4)), sc `[n, S, 16]` 0..63, d `[n, S]` fp16 bits."""
+    n, s = blocks.shape[:2]
+    low = blocks[..., 32:96].reshape(n, s, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
+    third = blocks[..., 0:32].reshape(n, s, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)  # [n, S, 4h + j, l]
+    q = ((low & 3).reshape(n, s, 8, 32) | ((third & 1) << 2)).reshape(n, 256 * s)
+    sb = blocks[..., 96:108]
+    lows = (sb[..., :8].unsqueeze(2) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)).reshape(n, s, 16) & 15
+    tops = (sb[..., 8:].unsqueeze(2) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 4, 1)).reshape(n, s, 16) & 3
+    d = blocks[..., 108:110].contiguous().view(torch.int16).view(n, s)
+    return q, lows | (tops << 4), d
+
+
+def q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q2_K `[n, S, 84]` (scales[16], qs[64], d, dmin) -> q `[n, 256 S]` 0..3, the scale bytes `[n, S, 16]`
+    (sc | m << 4), d and dmin `[n, S]` fp16 bits."""
+    n, s = blocks.shape[:2]
+    q = (blocks[..., 16:80].reshape(n, s, 2, 1, 32) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)) & 3
+    d = blocks[..., 80:82].contiguous().view(torch.int16).view(n, s)
+    dmin = blocks[..., 82:84].contiguous().view(torch.int16).view(n, s)
+    return q.reshape(n, 256 * s), blocks[..., 0:16], d, dmin
+
+
+def _two_bit_plane(q: torch.Tensor) -> torch.Tensor:
+    """`q [N, K]` -> `[N/16, K/16, 64]`: byte 4n + i of pair P, bits 2 (2b + h): the low 2 bits of
+    q[n][16 P + 8 b + 4 h + i]."""
+    n, k = q.shape
+    v = (q & 3).view(n // TILE, TILE, k // 16, 2, 2, 4).permute(0, 2, 1, 5, 3, 4).reshape(n // TILE, k // 16, 64, 4)
+    return (v << (2 * torch.arange(4, dtype=torch.uint8))).sum(-1, dtype=torch.uint8)
+
+
+def _from_two_bit_plane(plane: torch.Tensor) -> torch.Tensor:  # [t, P, 64] -> [16 t, 16 P] 0..3
+    t, pairs = plane.shape[:2]
+    v = (plane.view(t, pairs, TILE, 4, 1) >> (2 * torch.arange(4, dtype=torch.uint8))) & 3  # [t, P, n, i, 2b + h]
+    return v.view(t, pairs, TILE, 4, 2, 2).permute(0, 2, 1, 4, 5, 3).reshape(t * TILE, pairs * 16)
+
+
+def _pack_q3_k(rows: torch.Tensor) -> torch.Tensor:
+    q, sc, d = q3_k_parts(_blocks(rows, TILE_Q3_K))
+    t, s = q.shape[0] // TILE, q.shape[1] // SUPER
+    sc_t = _per_tile(sc)  # [t, S, 16, 16]
+    low = ((sc_t[:, :, 0::2] & 15) | ((sc_t[:, :, 1::2] & 15) << 4)).reshape(t, s, 128)
+    top = ((sc_t >> 4).view(t, s, 4, 4, TILE) << (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1))
+    parts = (_two_bit_plane(q).view(t, s, 1024), _top_plane((q >> 2) << 4).view(t, s, 512), low,
+             top.sum(3, dtype=torch.uint8).reshape(t, s, 64), _fp16_bytes(d))
+    return torch.cat(parts, -1).reshape(-1)
+
+
+def _pack_q2_k(rows: torch.Tensor) -> torch.Tensor:
+    q, sb, d, dmin = q2_k_parts(_blocks(rows, TILE_Q2_K))
+    t, s = q.shape[0] // TILE, q.shape[1] // SUPER
+    parts = (_two_bit_plane(q).view(t, s, 1024), _per_tile(sb).reshape(t, s, 256), _fp16_bytes(d), _fp16_bytes(dmin))
+    return torch.cat(parts, -1).reshape(-1)
+
+
 def e8m0_half(e: torch.Tensor) -> torch.Tensor:
     """ggml's e8m0_to_fp32_half: uint8 exponents -> 2^(e - 128) fp32, subnormal below e = 2."""
     x = e.to(torch.int32)
@@ -306,6 +364,19 @@ def dequantize_tiles(tiles: torch.Tensor, kind: int, in_features: int) -> torch.
     def fp16(v: torch.Tensor) -> torch.Tensor:  # [t, S, 32] bytes -> [16 t, S, 1] fp32
         return untile(v.contiguous().view(torch.float16).view(t, s, 1, TILE)).float()
 
+    if kind in (TILE_Q3_K, TILE_Q2_K):
+        q = _from_two_bit_plane(b[..., :1024].reshape(t, s * 16, 64))
+        if kind == TILE_Q2_K:
+            sb = untile(b[..., 1024:1280].reshape(t, s, 16, 16))
+            w = (fp16(b[..., 1280:1312]) * (sb & 15).float())[..., None] * q.view(-1, s, 16, 16).float()
+            w = w - (fp16(b[..., 1312:1344]) * (sb >> 4).float())[..., None]
+            return w.reshape(-1, in_features)
+        q = (q | (_from_top_plane(b[..., 1024:1536].reshape(t, s * 8, 64)) << 2)).float() - 4
+        pairs = b[..., 1536:1664].reshape(t, s, 8, 1, 16) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)
+        top = b[..., 1664:1728].reshape(t, s, 4, 1, 16) >> (2 * torch.arange(4, dtype=torch.uint8)).view(1, 1, 1, 4, 1)
+        sc = (pairs.reshape(t, s, 16, 16) & 15) | ((top.reshape(t, s, 16, 16) & 3) << 4)
+        w = (fp16(b[..., 1728:1760]) * (untile(sc).float() - 32))[..., None] * q.view(-1, s, 16, 16)
+        return w.reshape(-1, in_features)
     if kind == TILE_IQ4_XS:
         v = torch.tensor(TABLES[TILE_IQ4_NL], dtype=torch.float32)[_from_int4_layout(b[..., :2048].reshape(t, -1, 64)).long()]
         pairs = b[..., 2048:2112].reshape(t, s, 4, 1, 16) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 1, 2, 1)

@@ -139,6 +139,49 @@ static void pack_q4_01_group(const uint8_t *const *rows, int m, int e, uint8_t *
     }
 }
 
+/* the 256 quants of a Q3_K block (0..7: w = d * (sc - 32) * (q - 4)) or a Q2_K block (0..3) and
+ * their 16 sub-scales (Q3_K: 0..63; Q2_K: the scale bytes, sc | m << 4) */
+static void k2_values(const uint8_t *blk, int three, uint8_t *q, uint8_t *sc) {
+    const uint8_t *qs = blk + (three ? 32 : 16);
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                uint8_t v = (uint8_t)((qs[32 * h + l] >> (2 * j)) & 3);
+                if (three) v |= (uint8_t)(((blk[l] >> (4 * h + j)) & 1) << 2);
+                q[128 * h + 32 * j + l] = v;
+            }
+    for (int j = 0; j < 16; j++)
+        sc[j] = three ? (uint8_t)(((blk[96 + j % 8] >> (4 * (j / 8))) & 15) | ((blk[104 + j % 4] >> (2 * (j / 4))) & 3) << 4)
+                      : blk[j];
+}
+
+/* one super-block of a Q3_K (`three`) or Q2_K tile: the 2-bit plane (byte 64 P + 4n + i, bits
+ * 2 (2b + h): q[n][16 P + 8 b + 4 h + i] & 3); Q3_K: the third bits in Q5_0's plane per 32 inputs,
+ * the sub-scales' low nibbles [j/2][n] and top pairs [j/4][n], d; Q2_K: the scale bytes [j][n], d, dmin */
+static void pack_k2_super(const uint8_t *const *rows, int three, uint8_t *out) {
+    memset(out, 0, three ? 1728 : 1024);
+    for (int n = 0; n < TILE; n++) {
+        uint8_t q[SUPER], sc[16];
+        k2_values(rows[n], three, q, sc);
+        for (int x = 0; x < SUPER; x++) {
+            const int pair = x / 16, b = (x / 8) % 2, h = (x / 4) % 2, i = x % 4;
+            out[64 * pair + 4 * n + i] |= (uint8_t)((q[x] & 3) << (2 * (2 * b + h)));
+            if (three) out[1024 + 64 * (x / 32) + 4 * n + i] |= (uint8_t)((q[x] >> 2) << (2 * ((x / 8) % 4) + h));
+        }
+        if (three) {
+            for (int j = 0; j < 16; j++) {
+                out[1536 + 16 * (j / 2) + n] |= (uint8_t)((sc[j] & 15) << (4 * (j % 2)));
+                out[1664 + 16 * (j / 4) + n] |= (uint8_t)((sc[j] >> 4) << (2 * (j % 4)));
+            }
+            memcpy(out + 1728 + 2 * n, rows[n] + 108, 2); /* d */
+        } else {
+            for (int j = 0; j < 16; j++) out[1024 + 16 * j + n] = sc[j];
+            memcpy(out + 1280 + 2 * n, rows[n] + 80, 2); /* d */
+            memcpy(out + 1312 + 2 * n, rows[n] + 82, 2); /* dmin */
+        }
+    }
+}
+
 /* one super-block of an IQ4_XS tile: the codes in the int4 layout, the 6-bit ls_j as a plane of
  * low nibbles (byte 16 (j / 2) + n, even j low) and of top 2-bit pairs (byte 16 (j / 4) + n, bits
  * 2 (j % 4)), d[16] */
@@ -172,6 +215,8 @@ static int block_geometry(int kind, int64_t *inputs, int64_t *block) {
         case SPECDEC_TILE_IQ4_NL: *inputs = GROUP, *block = 18; return 1;
         case SPECDEC_TILE_MXFP4: *inputs = GROUP, *block = 17; return 1;
         case SPECDEC_TILE_IQ4_XS: *inputs = SUPER, *block = 136; return 1;
+        case SPECDEC_TILE_Q3_K: *inputs = SUPER, *block = 110; return 1;
+        case SPECDEC_TILE_Q2_K: *inputs = SUPER, *block = 84; return 1;
         case SPECDEC_TILE_Q5_0: *inputs = GROUP, *block = 22; return 1;
         case SPECDEC_TILE_Q8_0: *inputs = GROUP, *block = 34; return 1;
         default: return 0;
@@ -201,6 +246,8 @@ int kquant_pack(const uint8_t *raw, int64_t row_stride, int64_t n, int64_t k, in
             case SPECDEC_TILE_Q4_1: pack_q4_01_group(rows, 1, 0, dst); break;
             case SPECDEC_TILE_MXFP4: pack_q4_01_group(rows, 0, 1, dst); break;
             case SPECDEC_TILE_IQ4_XS: pack_iq4_xs_super(rows, dst); break;
+            case SPECDEC_TILE_Q3_K: pack_k2_super(rows, 1, dst); break;
+            case SPECDEC_TILE_Q2_K: pack_k2_super(rows, 0, dst); break;
             case SPECDEC_TILE_Q6_K: pack_q6_k_super(rows, dst); break;
             case SPECDEC_TILE_Q5_0: pack_q5_0_group(rows, dst); break;
             default: pack_q8_0_group(rows, dst); break;
@@ -292,6 +339,16 @@ int gguf_rows(const uint8_t *raw, int64_t row_stride, int64_t rows, const int64_
                 for (int j = 0; j < 16; j++) {
                     store_value(out, out_bf16, at + j, d * (float)((int)((blk[6 + j] & 15) | ((qh >> j) & 1) << 4) - 16));
                     store_value(out, out_bf16, at + 16 + j, d * (float)((int)((blk[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16));
+                }
+            } else if (kind == SPECDEC_TILE_Q3_K || kind == SPECDEC_TILE_Q2_K) { /* as gguf: (d * sc) * q (- dmin * m) */
+                const int three = kind == SPECDEC_TILE_Q3_K;
+                uint8_t sc[16];
+                k2_values(blk, three, q, sc);
+                const float d = f16_at(blk + (three ? 108 : 80)), dmin = three ? 0.0f : f16_at(blk + 82);
+                for (int j = 0; j < 16; j++) {
+                    const float dl = three ? d * (float)((int)sc[j] - 32) : d * (float)(sc[j] & 15), ml = dmin * (float)(sc[j] >> 4);
+                    for (int l = 0; l < 16; l++)
+                        store_value(out, out_bf16, at + 16 * j + l, three ? dl * (float)((int)q[16 * j + l] - 4) : dl * (float)q[16 * j + l] - ml);
                 }
             } else if (kind == SPECDEC_TILE_IQ4_XS) { /* (d * (ls_j - 32)) * table[q], as gguf */
                 const float d = f16_at(blk);

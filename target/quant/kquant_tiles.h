@@ -26,6 +26,13 @@
  *         y += (d * xs) * cvt(sum_j (ls_j - 32) * sum(v * xq))
  *     with v the table's signed values (256 bits: `vpsignb` products) or v + 128 (512 bits:
  *     `vpdpbusd`, minus 128 * sum_j(xq)): the same integers.
+ *   Q3_K (1760 = 16 x 110) and Q2_K (1344 = 16 x 84): 16 pairs of blocks of 64 B of 2-bit values
+ *     (byte 4n+i of pair P, bits 2(2b'+h): the low 2 bits of q[n][16P+8b'+4h+i]); Q3_K then per 32
+ *     inputs 64 B of third bits in block32_tiles.h's Q5_0 plane, 128 B [j/2][n] of the 6-bit
+ *     sub-scales' low nibbles (even j low), 64 B [j/4][n] of their top 2 bits (at 2 (j % 4)), d[16];
+ *     Q2_K then 256 B [j][n] of the file's scale bytes (sc_j | m_j << 4), d[16], dmin[16]:
+ *       Q3_K  w = d * (sc_j - 32) * (q - 4)     (q 0..7, sub-blocks of 16: computed as Q6_K's, offset 4)
+ *       Q2_K  w = d * sc_j * q - dmin * m_j     (q 0..3, sc, m 0..15, sub-blocks of 16: as Q4_K's)
  *   Q6_K (3360 = 16 x 210): 32 blocks of 96 B: 64 B low nibbles as Q4_K's, then 32 B of top bits
  *     (bits 2v, 2v+1 of byte i: the top two bits of value i of the block's vector v, v = 0..3 the
  *     32-byte vectors low nibbles of bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63);
@@ -36,6 +43,8 @@
 #define Q4K_SUPER_BYTES 2304
 #define Q5K_SUPER_BYTES 2816
 #define IQ4XS_SUPER_BYTES 2176
+#define Q3K_SUPER_BYTES 1760
+#define Q2K_SUPER_BYTES 1344
 #define Q6K_SUPER_BYTES 3360
 /* Rows per register pass over a tile: their sums and the weights about fill the ymm registers. 4:
  * a 4-row verify window in one pass, not 3 + 1 (`kernel_ab.py` at avx2: Q4_K 1.13-1.16x, Q6_K
@@ -201,11 +210,93 @@ static inline __m128i iq4nl_table(int wide) {
     return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
 }
 
-/* ls_j - 32 (int8, 16 outputs) of an IQ4_XS super-block's scales `s` (its 64 + 32 bytes) */
-static inline __m128i iq4xs_scales(const uint8_t *s, int j) {
+/* sc_j - 32 (int8, 16 outputs) of 6-bit sub-scales held as a plane of low nibbles (`nib` bytes:
+ * [j/2][n], even j low) and of top 2-bit pairs ([j/4][n], at 2 (j % 4)) at `s`: IQ4_XS's (nib 64),
+ * Q3_K's (nib 128) */
+static inline __m128i six_bit_scales(const uint8_t *s, int nib, int j) {
     const __m128i low = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(s + 16 * (j / 2))), 4 * (j & 1)), _mm_set1_epi8(0x0F));
-    const __m128i top = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(s + 64 + 16 * (j / 4))), 2 * (j % 4)), _mm_set1_epi8(0x03));
+    const __m128i top = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(s + nib + 16 * (j / 4))), 2 * (j % 4)), _mm_set1_epi8(0x03));
     return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(top, 4)), _mm_set1_epi8(32));
+}
+static inline __m128i iq4xs_scales(const uint8_t *s, int j) { return six_bit_scales(s, 64, j); }
+
+/* The four vectors of block b (8 inputs) of a Q3_K or Q2_K super-block at p, as q6k_block's: the
+ * 2-bit values from their pair's plane and, `three`, Q3_K's third bits (moved to bit 2). */
+static inline __attribute__((always_inline)) void k2_block(const uint8_t *p, int b, const int three, __m256i *v) {
+    const __m256i mask = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
+    const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + 64 * (b / 2))), w1 = _mm256_loadu_si256((const __m256i *)(p + 64 * (b / 2) + 32));
+    const int s = 4 * (b % 2);
+    v[0] = _mm256_and_si256(_mm256_srli_epi16(w0, s), mask), v[1] = _mm256_and_si256(_mm256_srli_epi16(w1, s), mask);
+    v[2] = _mm256_and_si256(_mm256_srli_epi16(w0, s + 2), mask), v[3] = _mm256_and_si256(_mm256_srli_epi16(w1, s + 2), mask);
+    if (three) {
+        const __m256i t0 = _mm256_loadu_si256((const __m256i *)(p + 1024 + 64 * (b / 4)));
+        const __m256i t1 = _mm256_loadu_si256((const __m256i *)(p + 1024 + 64 * (b / 4) + 32));
+        for (int h = 0; h < 2; h++) { /* bit 2 (b % 4) + h of the plane to bit 2 */
+            const int t = 2 * (b % 4) + h;
+            const __m256i a = t >= 2 ? _mm256_srli_epi16(t0, t - 2) : _mm256_slli_epi16(t0, 2 - t);
+            const __m256i c = t >= 2 ? _mm256_srli_epi16(t1, t - 2) : _mm256_slli_epi16(t1, 2 - t);
+            v[2 * h] = _mm256_or_si256(v[2 * h], _mm256_and_si256(a, bit2));
+            v[2 * h + 1] = _mm256_or_si256(v[2 * h + 1], _mm256_and_si256(c, bit2));
+        }
+    }
+}
+
+/* R <= KQUANT_PASS rows against a Q3_K tile (`three`) or a Q2_K tile, as q6k_rows / q4k_rows:
+ *   Q3_K  y += (d * xs) * cvt(sum_j (sc_j - 32) * (sum(q * xq) - 4 * sum_j(xq)))
+ *   Q2_K  y += xs * (d * cvt(sum_j sc_j * sum(q * xq)) - dmin * cvt(sum_j m_j * sum_j(xq))) */
+static inline __attribute__((always_inline)) void k2_rows(const uint8_t *tile, int64_t ahead, int64_t supers,
+                                                         const int three, const int8_t *xq, const struct super_consts *sc,
+                                                         int64_t k, const int R, __m256 *lo, __m256 *hi) {
+    const int bytes = three ? Q3K_SUPER_BYTES : Q2K_SUPER_BYTES;
+    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *p = tile + s * bytes;
+        __m128i scs[16], mins[16];
+        __m256i i0[KQUANT_PASS], i1[KQUANT_PASS], m0[KQUANT_PASS], m1[KQUANT_PASS];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = m0[r] = m1[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 16; j++) {
+            for (int line = 0; line < 2; line++) /* 84-110 bytes a sub-block: the super-block's share */
+                _mm_prefetch((const char *)p + ahead + bytes / 16 * j + 64 * line, _MM_HINT_T0);
+            if (three) scs[j] = six_bit_scales(p + 1536, 128, j);
+            else {
+                const __m128i sb = _mm_loadu_si128((const __m128i *)(p + 1024 + 16 * j));
+                scs[j] = _mm_and_si128(sb, _mm_set1_epi8(0x0F));
+                mins[j] = _mm_and_si128(_mm_srli_epi16(sb, 4), _mm_set1_epi8(0x0F));
+            }
+            const __m256i sc0 = pairs16_lo(scs[j], three), sc1 = pairs16_hi(scs[j], three);
+            for (int b = 2 * j; b < 2 * j + 2; b++) {
+                __m256i v[4];
+                k2_block(p, b, three, v);
+                for (int r = 0; r < R; r++)
+                    KQ_ROW(i0[r], i1[r], v[0], v[1], v[2], v[3], sc0, sc1, xq + r * k + s * SUPER + 8 * b);
+            }
+        }
+        for (int j = 0; j < 16; j += 2) { /* Q3_K: minus 4 * sum_j sc_j * sum_j(xq); Q2_K: sum_j m_j * sum_j(xq) */
+            const __m256i p0 = three ? _mm256_slli_epi16(zip16_lo(scs[j], scs[j + 1], 1), 2) : zip16_lo(mins[j], mins[j + 1], 0);
+            const __m256i p1 = three ? _mm256_slli_epi16(zip16_hi(scs[j], scs[j + 1], 1), 2) : zip16_hi(mins[j], mins[j + 1], 0);
+            for (int r = 0; r < R; r++) {
+                const __m256i xs = _mm256_set1_epi32(*(const int32_t *)&sc[r * supers + s].sum16[j]);
+                m0[r] = _mm256_add_epi32(m0[r], _mm256_madd_epi16(p0, xs));
+                m1[r] = _mm256_add_epi32(m1[r], _mm256_madd_epi16(p1, xs));
+            }
+        }
+        if (three) {
+            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 1728)));
+            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 1744)));
+            for (int r = 0; r < R; r++) {
+                const __m256 xs = _mm256_set1_ps(sc[r * supers + s].scale);
+                lo[r] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(i0[r], m0[r])), lo[r]);
+                hi[r] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), _mm256_cvtepi32_ps(_mm256_sub_epi32(i1[r], m1[r])), hi[r]);
+            }
+            continue;
+        }
+        const uint16_t *dd = (const uint16_t *)(p + 1280);
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dd));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 8)));
+        const __m256 dm0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 16)));
+        const __m256 dm1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dd + 24)));
+        q4k_scale_rows(d0, d1, dm0, dm1, i0, i1, m0, m1, sc + s, supers, R, lo, hi);
+    }
 }
 
 /* R <= KQUANT_PASS rows against an IQ4_XS tile (as q4k_rows): each sub-block's signed products
@@ -413,6 +504,74 @@ static inline __attribute__((always_inline)) void iq4xs_rows_wide(const uint8_t 
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 2144)));
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(sc[r * supers + s].scale)), _mm512_cvtepi32_ps(i[r]), acc[r]);
+    }
+}
+
+/* k2_rows in 512 bits: a block's 16 outputs in one zmm, `vpdpbusd` sums per sub-block times its
+ * scale in int32, the same integers and fp32 steps as k2_rows. */
+static inline __attribute__((always_inline)) void k2_rows_wide(const uint8_t *tile, int64_t ahead, int64_t supers,
+                                                              const int three, const int8_t *xq,
+                                                              const struct super_consts *sc, int64_t k, const int R,
+                                                              __m512 *acc) {
+    const int bytes = three ? Q3K_SUPER_BYTES : Q2K_SUPER_BYTES;
+    const __m512i mask = _mm512_set1_epi8(0x03), bit2 = _mm512_set1_epi8(0x04);
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < supers; s++) {
+        const uint8_t *p = tile + s * bytes;
+        const int8_t *xs0 = xq + s * SUPER;
+        __m128i scs[16], mins[16];
+        __m512i i[MAX_ROWS], m[MAX_ROWS];
+        for (int r = 0; r < R; r++) i[r] = m[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 16; j++) {
+            for (int line = 0; line < 2; line++)
+                _mm_prefetch((const char *)p + ahead + bytes / 16 * j + 64 * line, _MM_HINT_T0);
+            if (three) scs[j] = six_bit_scales(p + 1536, 128, j);
+            else {
+                const __m128i sb = _mm_loadu_si128((const __m128i *)(p + 1024 + 16 * j));
+                scs[j] = _mm_and_si128(sb, _mm_set1_epi8(0x0F));
+                mins[j] = _mm_and_si128(_mm_srli_epi16(sb, 4), _mm_set1_epi8(0x0F));
+            }
+            __m512i a[MAX_ROWS];
+            for (int r = 0; r < R; r++) a[r] = _mm512_setzero_si512();
+            for (int b = 2 * j; b < 2 * j + 2; b++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (b / 2)));
+                const int sh = 4 * (b % 2);
+                __m512i l = _mm512_and_si512(_mm512_srli_epi16(w, sh), mask), h = _mm512_and_si512(_mm512_srli_epi16(w, sh + 2), mask);
+                if (three) {
+                    const __m512i t = _mm512_loadu_si512((const void *)(p + 1024 + 64 * (b / 4)));
+                    for (int half = 0; half < 2; half++) { /* bit 2 (b % 4) + half of the plane to bit 2 */
+                        const int tb = 2 * (b % 4) + half;
+                        const __m512i top = _mm512_and_si512(tb >= 2 ? _mm512_srli_epi16(t, tb - 2) : _mm512_slli_epi16(t, 2 - tb), bit2);
+                        if (half) h = _mm512_or_si512(h, top);
+                        else l = _mm512_or_si512(l, top);
+                    }
+                }
+                for (int r = 0; r < R; r++) {
+                    DPBUSD_BCST(a[r], l, xs0 + r * k + 8 * b);
+                    DPBUSD_BCST(a[r], h, xs0 + r * k + 8 * b + 4);
+                }
+            }
+            const __m512i s32 = three ? _mm512_cvtepi8_epi32(scs[j]) : _mm512_cvtepu8_epi32(scs[j]);
+            for (int r = 0; r < R; r++) i[r] = _mm512_add_epi32(i[r], _mm512_mullo_epi32(a[r], s32));
+        }
+        for (int j = 0; j < 16; j += 2) {
+            const __m512i pr = three ? _mm512_slli_epi16(zip16_wide(scs[j], scs[j + 1], 1), 2) : zip16_wide(mins[j], mins[j + 1], 0);
+            for (int r = 0; r < R; r++)
+                m[r] = _mm512_add_epi32(m[r], _mm512_madd_epi16(pr, _mm512_set1_epi32(*(const int32_t *)&sc[r * supers + s].sum16[j])));
+        }
+        if (three) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 1728)));
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(sc[r * supers + s].scale)),
+                                         _mm512_cvtepi32_ps(_mm512_sub_epi32(i[r], m[r])), acc[r]);
+            continue;
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 1280)));
+        const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 1312)));
+        for (int r = 0; r < R; r++) { /* as q4k_scale_rows */
+            const __m512 t = _mm512_fmsub_ps(d, _mm512_cvtepi32_ps(i[r]), _mm512_mul_ps(dm, _mm512_cvtepi32_ps(m[r])));
+            acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(sc[r * supers + s].scale), t, acc[r]);
+        }
     }
 }
 

@@ -169,6 +169,8 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         if (bits == SPECDEC_TILE_Q4_K) q4k_rows_wide(tile, ahead, supers, 0, xqs + row * k, sc + row * supers, k, R, acc); \
         else if (bits == SPECDEC_TILE_Q5_K) q4k_rows_wide(tile, ahead, supers, 1, xqs + row * k, sc + row * supers, k, R, acc); \
         else if (bits == SPECDEC_TILE_IQ4_XS) iq4xs_rows_wide(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, acc); \
+        else if (bits == SPECDEC_TILE_Q3_K) k2_rows_wide(tile, ahead, supers, 1, xqs + row * k, sc + row * supers, k, R, acc); \
+        else if (bits == SPECDEC_TILE_Q2_K) k2_rows_wide(tile, ahead, supers, 0, xqs + row * k, sc + row * supers, k, R, acc); \
         else q6k_rows_wide(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, acc);            \
         store_rows(acc, R, bias, residual, y, y_bf16, n, row, t * TILE);                                 \
     } while (0)
@@ -184,6 +186,8 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         else if (bits == SPECDEC_TILE_Q4_K) q4k_rows(tile, ahead, supers, 0, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else if (bits == SPECDEC_TILE_Q5_K) q4k_rows(tile, ahead, supers, 1, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else if (bits == SPECDEC_TILE_IQ4_XS) iq4xs_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi); \
+        else if (bits == SPECDEC_TILE_Q3_K) k2_rows(tile, ahead, supers, 1, xqs + row * k, sc + row * supers, k, R, lo, hi); \
+        else if (bits == SPECDEC_TILE_Q2_K) k2_rows(tile, ahead, supers, 0, xqs + row * k, sc + row * supers, k, R, lo, hi); \
         else q6k_rows(tile, ahead, supers, xqs + row * k, sc + row * supers, k, R, lo, hi);              \
         vf acc[KQUANT_PASS];                                                                             \
         for (int r = 0; r < R; r++) acc[r] = vf_halves(lo[r], hi[r]);                                    \
@@ -201,7 +205,8 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
     } while (0)
 
 static inline int is_kquant(int bits) {
-    return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q5_K || bits == SPECDEC_TILE_Q6_K || bits == SPECDEC_TILE_IQ4_XS;
+    return bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q5_K || bits == SPECDEC_TILE_Q6_K || bits == SPECDEC_TILE_IQ4_XS ||
+           bits == SPECDEC_TILE_Q3_K || bits == SPECDEC_TILE_Q2_K;
 }
 static inline int is_grouped(int bits) { /* activations per 32 inputs */
     return bits == 4 || bits == 8 || is_block32(bits) || bits == SPECDEC_TILE_Q8_0;
@@ -289,7 +294,7 @@ static inline int is_grouped(int bits) { /* activations per 32 inputs */
 /* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
  * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
  * the byte offset of each tile in it and `tile_bits[N/16]` its format (4, 8, a GGUF tile
- * SPECDEC_TILE_Q5_0, _Q4_0, _Q4_1, _IQ4_NL, _MXFP4 or _Q8_0, or a k-quant tile SPECDEC_TILE_Q4_K, _Q5_K, _Q6_K or _IQ4_XS, whose calls need
+ * SPECDEC_TILE_Q5_0, _Q4_0, _Q4_1, _IQ4_NL, _MXFP4 or _Q8_0, or a k-quant tile SPECDEC_TILE_Q4_K, _Q5_K, _Q6_K, _IQ4_XS, _Q3_K or _Q2_K, whose calls need
  * K % 256 == 0). x, y, residual
  * [M, N] (NULL: none; may be y) and norm_w are fp32 or bf16 (flags; residual as y), bias fp32
  * or NULL. Returns SPECDEC_OK, SPECDEC_ERR_INVALID_ARGUMENT (sizes off the tile grid, a missing
@@ -357,8 +362,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
 #ifdef KQUANT_WIDE /* passes of up to MAX_ROWS rows in 512 bits (kquant_tiles.h) */
                 WIDE_PASSES(KQUANT_WIDE_ROWS);
 #else
-                /* NULL (few rows, no memory, or IQ4_XS: register passes only): decoded in every pass */
-                const uint8_t *ku = bits == SPECDEC_TILE_IQ4_XS ? NULL : kunpacked;
+                /* NULL (few rows, no memory, or IQ4_XS, Q3_K, Q2_K: register passes only): decoded in every pass */
+                const int decodable = bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q5_K || bits == SPECDEC_TILE_Q6_K;
+                const uint8_t *ku = decodable ? kunpacked : NULL;
                 for (int64_t s = 0; ku && s < supers; s++)
                     kquant_unpack(bits, tile, s, kunpacked + s * KQUANT_UNPACKED_MAX);
                 for (; ku && row + KQUANT_UNPACKED_PASS <= m; row += KQUANT_UNPACKED_PASS) KQUANT_ROWS(KQUANT_UNPACKED_PASS, 1);

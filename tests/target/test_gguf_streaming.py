@@ -35,12 +35,14 @@ def _f16_bytes(value: float) -> np.ndarray:
 def _k_blocks(kind: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """Random but valid Q4_K / Q5_K / Q6_K / Q3_K blocks `[rows, cols / 256 * block bytes]` (gguf
     cannot quantize to K-quants): random quants and sub-block scales, small finite fp16 scales."""
-    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "IQ4_XS": 136, "IQ4_NL": 18}[kind]
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84, "IQ4_XS": 136, "IQ4_NL": 18}[kind]
     blocks = rng.integers(0, 256, (rows, cols // (32 if kind == "IQ4_NL" else 256), size), dtype=np.uint8)
     if kind in ("Q4_K", "Q5_K"):  # d, dmin (fp16), scales[12], (qh[32]), qs[128]
         blocks[..., 0:2], blocks[..., 2:4] = _f16_bytes(0.002 if kind == "Q4_K" else 0.001), _f16_bytes(0.001)
     elif kind == "Q3_K":  # hmask[32], qs[64], scales[12], d (fp16)
         blocks[..., 108:110] = _f16_bytes(0.0005)
+    elif kind == "Q2_K":  # scales[16], qs[64], d, dmin (fp16)
+        blocks[..., 80:82], blocks[..., 82:84] = _f16_bytes(0.002), _f16_bytes(0.001)
     elif kind in ("IQ4_XS", "IQ4_NL"):  # d (fp16), (scales_h, scales_l[4]), qs
         blocks[..., 0:2] = _f16_bytes(0.00002 if kind == "IQ4_XS" else 0.0002)
     else:  # ql[128], qh[64], scales[16] (int8), d (fp16)
@@ -74,12 +76,12 @@ def _write_qwen2_gguf(path, tokenizer, tie: bool, k_quants_only: bool = False, h
             kind = "Q4_K"
         if cols and types:
             kind = types.get(kind, kind)
-        if kind in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "IQ4_XS", "IQ4_NL"):
+        if kind in ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL"):
             writer.add_tensor(name, _k_blocks(kind, rows, cols, rng), raw_dtype=gguf.GGMLQuantizationType[kind])
             return
         shape = (rows,) if cols is None else (rows, cols)
         values = (rng.standard_normal(shape) * (0.02 if cols else 0.1) + (0 if cols else 1)).astype(np.float32)
-        if kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "MXFP4"):
+        if kind in ("Q8_0", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "MXFP4"):
             qtype = gguf.GGMLQuantizationType[kind]
             writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from specdec.kernel_abi import (TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K,
+from specdec.kernel_abi import (TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q2_K, TILE_Q3_K, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K,
                                 TILE_Q6_K, TILE_Q8_0)
 from specdec.target.quant import kquant, qgemm
 from specdec.target.quant.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 )
 KINDS = {TILE_Q4_K: T.Q4_K, TILE_Q5_K: T.Q5_K, TILE_Q6_K: T.Q6_K, TILE_Q5_0: T.Q5_0, TILE_Q4_0: T.Q4_0,
          TILE_Q4_1: T.Q4_1, TILE_IQ4_NL: T.IQ4_NL, TILE_MXFP4: T.MXFP4,
-         TILE_IQ4_XS: T.IQ4_XS, TILE_Q8_0: T.Q8_0}
+         TILE_IQ4_XS: T.IQ4_XS, TILE_Q3_K: T.Q3_K, TILE_Q2_K: T.Q2_K, TILE_Q8_0: T.Q8_0}
 
 
 def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -37,6 +37,10 @@ def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
         blocks[..., 0:4] = scales.reshape(rows, count, 4)
     elif kind == TILE_Q6_K:  # ql[128], qh[64], scales[16] int8, d (fp16)
         blocks[..., 208:210] = scales[..., :2]
+    elif kind == TILE_Q3_K:  # hmask[32], qs[64], scales[12], d
+        blocks[..., 108:110] = scales[..., :2]
+    elif kind == TILE_Q2_K:  # scales[16], qs[64], d, dmin
+        blocks[..., 80:84] = scales.reshape(rows, count, 4)
     elif kind == TILE_MXFP4:  # e (2^(e - 128)), qs[16]: exponents around 2^-8, and 0 and 1 (subnormal)
         blocks[..., 0] = rng.choice(np.array([0, 1, 2, 100, 110, 118, 120, 125, 127], dtype=np.uint8), (rows, count))
     else:  # Q5_0: d (fp16), qh[4], qs[16]; Q4_0, IQ4_NL: d, qs[16]; Q8_0: d (fp16), qs[32] int8
@@ -48,7 +52,7 @@ def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 def test_tiles_hold_exactly_the_files_weights_in_the_files_bytes(kind):
     raw = k_blocks(kind, 48, 768)
     q = QLinear.from_gguf(raw, kind, 768, None)
-    assert q.tiles.numel() == raw.nbytes  # 4.5 / 5.5 / 6.5625 / 5.5 / 4.5 / 5 / 4.5 / 4.25 / 4.25 / 8.5 bits a weight, as the file
+    assert q.tiles.numel() == raw.nbytes  # 4.5 / 5.5 / 6.5625 / 5.5 / 4.5 / 5 / 4.5 / 4.25 / 4.25 / 3.4375 / 2.625 / 8.5 bits a weight, as the file
     expected = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]))
     assert torch.equal(dequantize(q), expected)
 
@@ -83,7 +87,7 @@ def test_the_largest_quants_and_activations_do_not_overflow_the_integer_sums(kin
     raw = k_blocks(kind, 16, 512, seed=2)
     blocks = raw.reshape(16, -1, kquant.BLOCK_BYTES[kind])
     keep = {TILE_Q4_K: slice(0, 4), TILE_Q5_K: slice(0, 4), TILE_Q4_1: slice(0, 4), TILE_Q6_K: slice(208, 210),
-            TILE_MXFP4: slice(0, 1)}
+            TILE_MXFP4: slice(0, 1), TILE_Q3_K: slice(108, 110), TILE_Q2_K: slice(80, 84)}
     scales = blocks[..., keep.get(kind, slice(0, 2))].copy()
     blocks[...] = 0xFF
     if kind == TILE_Q6_K:  # sub-scales 127 and quants 63: w = d * 127 * 31
@@ -175,29 +179,32 @@ def test_gguf_mode_reads_k_quant_tensors_as_stored(tmp_path, monkeypatch):
     assert model(*_prompt_inputs(model)).isfinite().all()
 
 
-def test_q5_k_q4_0_q4_1_tensors_read_as_stored_and_a_type_without_a_kernel_is_named(tmp_path, monkeypatch, capsys):
-    """A GGUF whose matrices are Q5_K, Q4_0, Q4_1 and Q3_K: the first three become tiles holding the
-    file's values; the Q3_K ones (no kernel yet) are re-quantized, and one line says which type,
-    which tensors and how many bytes they take against the file's."""
+def test_k_quant_tensors_read_as_stored_and_a_type_without_a_kernel_is_named(tmp_path, monkeypatch, capsys):
+    """A GGUF whose matrices are Q5_K, Q2_K, Q3_K and Q5_1: the first three become tiles holding the
+    file's values; the Q5_1 ones (no kernel) are re-quantized, and one line says which type, which
+    tensors and how many bytes they take against the file's."""
     from specdec.target.model_weights import load_model
     from tests.target.test_gguf_streaming import _prompt_inputs
 
     folder = _tiny_gguf(tmp_path, monkeypatch, k_quants_only=False,
-                        types={"Q4_K": "Q5_K", "Q8_0": "Q4_0", "Q5_0": "Q4_1", "Q6_K": "Q3_K"})
+                        types={"Q4_K": "Q5_K", "Q8_0": "Q2_K", "Q5_0": "Q5_1", "Q6_K": "Q3_K"})
     dense = load_model(folder, torch.float32)
     capsys.readouterr()
     model = load_model(folder, torch.bfloat16, quant="gguf")
     layer, d = model.model.layers[1], dense.model.layers[1]
-    assert set(layer.self_attn.o_proj.tile_bits.tolist()) == {TILE_Q4_0}
+    assert set(layer.self_attn.o_proj.tile_bits.tolist()) == {TILE_Q2_K}
     assert torch.equal(dequantize(layer.self_attn.o_proj), d.self_attn.o_proj.weight)
-    gate_up = layer.mlp.gate_up_proj
-    assert set(gate_up.tile_bits.tolist()) == {TILE_Q4_1, TILE_Q5_K}
-    assert torch.equal(dequantize(gate_up), torch.cat([d.mlp.gate_proj.weight, d.mlp.up_proj.weight]))
-    assert TILE_Q5_K in set(layer.self_attn.qkv_proj.tile_bits.tolist())  # q, k Q5_K; v Q3_K re-quantized
-    assert not set(layer.mlp.down_proj.tile_bits.tolist()) & set(KINDS)
+    assert set(layer.mlp.down_proj.tile_bits.tolist()) == {TILE_Q3_K}
+    assert torch.equal(dequantize(layer.mlp.down_proj), d.mlp.down_proj.weight)
+    qkv = layer.self_attn.qkv_proj
+    assert set(qkv.tile_bits.tolist()) == {TILE_Q5_K, TILE_Q3_K}  # q, k Q5_K; v Q3_K
+    assert torch.equal(dequantize(qkv), torch.cat([d.self_attn.q_proj.weight, d.self_attn.k_proj.weight,
+                                                   d.self_attn.v_proj.weight]))
+    gate_up = layer.mlp.gate_up_proj  # gate Q5_1, re-quantized; up Q5_K as stored
+    assert TILE_Q5_K in set(gate_up.tile_bits.tolist()) and set(gate_up.tile_bits.tolist()) & {4, 8}
     err = capsys.readouterr().err
-    line = next(x for x in err.splitlines() if " Q3_K tensors" in x)
-    assert "(mlp.down_proj, self_attn.v_proj in 2 layers): no kernel yet" in line and "MB where the file holds" in line
+    line = next(x for x in err.splitlines() if " Q5_1 tensors" in x)
+    assert "(mlp.gate_proj in 2 layers): no kernel yet" in line and "MB where the file holds" in line
     assert "F16 tensor (lm_head): no kernel yet" in err
     assert model(*_prompt_inputs(model)).isfinite().all()
 
