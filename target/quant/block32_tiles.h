@@ -29,6 +29,8 @@ static inline int b32_d_at(int kind) { return kind == SPECDEC_TILE_Q5_0 ? 320 : 
 static inline int b32_offset(int kind) { /* the 256-bit passes' */
     return kind == SPECDEC_TILE_Q5_0 ? 16 : kind == SPECDEC_TILE_Q4_0 ? 8 : kind == SPECDEC_TILE_MXFP4 ? 12 : 0;
 }
+/* a decoded group (b32_unpack_tile): 4 blocks x 4 vectors x 32 B, d of both halves as fp32 (and Q4_1's m) */
+static inline int b32_unpacked_bytes(int kind) { return kind == SPECDEC_TILE_Q4_1 ? 640 : 576; }
 static inline int is_table(int kind) { return kind == SPECDEC_TILE_IQ4_NL || kind == SPECDEC_TILE_MXFP4; }
 static inline int is_block32(int bits) {
     return bits == SPECDEC_TILE_Q5_0 || bits == SPECDEC_TILE_Q4_0 || bits == SPECDEC_TILE_Q4_1 || is_table(bits);
@@ -54,7 +56,7 @@ static inline __m256 b32_e8m0_x8(const uint8_t *e) {
  * default draft's 3-row forward 12.8-14.9 ms against 17.8-18.2, 4 rows 18.8-19.6 against 22.5-24.6
  * (7336cd4c7a51:docs/results/issue38/draft_forward_ab.sh). */
 #define B32_PASS 3
-#define B32_UNPACKED_GROUP 640 /* a decoded group: 4 blocks x 4 vectors x 32 B, d and m (Q4_1) of both halves as fp32 */
+#define B32_UNPACKED_GROUP 640 /* the most bytes of a decoded group (b32_unpacked_bytes) */
 #define B32_UNPACKED_ROWS (2 * B32_PASS + 1) /* decoded once when a call makes more than two passes */
 #define B32_UNPACKED_PASS 3 /* rows per pass over a decoded tile (its vectors loaded, not kept) */
 
@@ -174,7 +176,7 @@ static inline __attribute__((always_inline)) void b32_rows(const uint8_t *tile, 
 }
 
 /* Many rows (the draft's catch-up windows, prefill chunks; at least B32_UNPACKED_ROWS): the tile
- * is decoded once per call into a per-thread buffer, B32_UNPACKED_GROUP bytes a group (its blocks'
+ * is decoded once per call into a per-thread buffer, b32_unpacked_bytes a group (its blocks'
  * 4 vectors, then d and m of both halves as fp32), which passes of B32_UNPACKED_PASS rows load: the
  * same integer sums and fp32 operations as b32_rows, so the results are bitwise its. */
 static void b32_unpack_tile(const uint8_t *tile, int64_t groups, const int kind, uint8_t *u) {
@@ -185,7 +187,7 @@ static void b32_unpack_tile(const uint8_t *tile, int64_t groups, const int kind,
         __m256i t0 = _mm256_setzero_si256(), t1 = t0;
         if (kind == SPECDEC_TILE_Q5_0)
             t0 = _mm256_loadu_si256((const __m256i *)(p + 256)), t1 = _mm256_loadu_si256((const __m256i *)(p + 288));
-        uint8_t *q = u + g * B32_UNPACKED_GROUP;
+        uint8_t *q = u + g * b32_unpacked_bytes(kind);
         for (int b = 0; b < 4; b++) {
             __m256i v[4];
             b32_block(p, t0, t1, b, kind, v);
@@ -202,7 +204,7 @@ static inline __attribute__((always_inline)) void b32_rows_unpacked(const uint8_
     const __m256i none = _mm256_setzero_si256();
     for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *q = u + g * B32_UNPACKED_GROUP;
+        const uint8_t *q = u + g * b32_unpacked_bytes(kind);
         __m256i i0[B32_UNPACKED_PASS], i1[B32_UNPACKED_PASS];
         b32_group_sums(NULL, none, none, q, 1, kind, xq + g * GROUP, k, R, i0, i1);
         const __m256 m0 = kind == SPECDEC_TILE_Q4_1 ? _mm256_load_ps((const float *)(q + 576)) : _mm256_setzero_ps();
@@ -252,7 +254,7 @@ static inline __attribute__((always_inline)) void b32_rows_wide(const uint8_t *t
         for (int r = 0; r < R; r++) lo_sum[r] = hi_sum[r] = _mm512_setzero_si512();
         __m512 d, m = _mm512_setzero_ps();
         if (unpacked) {
-            const uint8_t *q = tile + g * B32_UNPACKED_GROUP;
+            const uint8_t *q = tile + g * b32_unpacked_bytes(kind);
             for (int b = 0; b < 4; b++) {
                 __m512i lo = _mm512_load_si512((const void *)(q + 128 * b));
                 __m512i hi = _mm512_load_si512((const void *)(q + 128 * b + 64));

@@ -644,7 +644,7 @@ static inline __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_
 
 /* Decode super-block s of a k-quant tile of `kind` into q (KQUANT_UNPACKED_MAX bytes, 64-byte
  * aligned): what q4k_rows / q6k_rows compute in registers, stored. */
-static void kquant_unpack(int kind, const uint8_t *tile, int64_t s, uint8_t *q) {
+static inline __attribute__((always_inline)) void kquant_unpack(int kind, const uint8_t *tile, int64_t s, uint8_t *q) {
     const int q4 = kind != SPECDEC_TILE_Q6_K, five = kind == SPECDEC_TILE_Q5_K; /* Q4_K's layout, Q5_K's top bits */
     const int bytes = five ? Q5K_SUPER_BYTES : q4 ? Q4K_SUPER_BYTES : Q6K_SUPER_BYTES;
     const uint8_t *p = tile + s * bytes;

@@ -282,6 +282,68 @@ static inline int is_grouped(int bits) { /* activations per 32 inputs */
     } while (0)
 #endif
 
+/* Each block32 kind's loops in a function of its own: five instances inlined into qgemm's loop
+ * made the Q5_0 passes 10-15% slower (register allocation over one huge function; kernel_ab.py). */
+#define B32_TILE_FN(NAME, KIND, WIDE)                                                                    \
+    static __attribute__((noinline)) void NAME(const uint8_t *tile, int64_t next_ahead, int64_t groups, \
+                                               const int8_t *xq, const struct group_consts *gc, int64_t k, \
+                                               int64_t m, const float *bias, const void *residual, void *y, \
+                                               int y_bf16, int64_t n, int64_t t, uint8_t *b32u) {          \
+        int64_t row = 0;                                                                                 \
+        B32_TILE(KIND, WIDE);                                                                            \
+    }
+B32_TILE_FN(b32_tile_q5_0, SPECDEC_TILE_Q5_0, B32_WIDE_Q5_0)
+B32_TILE_FN(b32_tile_q4_0, SPECDEC_TILE_Q4_0, B32_WIDE_Q4_0)
+B32_TILE_FN(b32_tile_q4_1, SPECDEC_TILE_Q4_1, B32_WIDE_Q4_1)
+B32_TILE_FN(b32_tile_iq4_nl, SPECDEC_TILE_IQ4_NL, B32_WIDE_IQ4_NL)
+B32_TILE_FN(b32_tile_mxfp4, SPECDEC_TILE_MXFP4, B32_WIDE_MXFP4)
+#define B32_TILE_ARGS tile, next_ahead, groups, xq, gc, k, m, bias, residual, y, y_bf16, n, t, b32u
+/* Each k-quant kind's passes over a tile in a function of its own, `bits` a constant there (as the
+ * block32 kinds', B32_TILE_FN): at AVX-512 VNNI passes of up to MAX_ROWS rows in 512 bits; else a
+ * tile decoded once for many rows (Q4_K, Q5_K, Q6_K), then register passes. */
+#ifdef KQUANT_WIDE
+#define KQ_TILE_BODY WIDE_PASSES(KQUANT_WIDE_ROWS)
+#else
+#define KQ_TILE_BODY                                                                                     \
+    do {                                                                                                 \
+        /* NULL (few rows, no memory, or IQ4_XS, Q3_K, Q2_K: register passes only): decoded in every pass */ \
+        const int decodable = bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q5_K || bits == SPECDEC_TILE_Q6_K; \
+        const uint8_t *ku = decodable ? kunpacked : NULL;                                            \
+        for (int64_t s = 0; ku && s < supers; s++)                                                   \
+            kquant_unpack(bits, tile, s, kunpacked + s * KQUANT_UNPACKED_MAX);                       \
+        for (; ku && row + KQUANT_UNPACKED_PASS <= m; row += KQUANT_UNPACKED_PASS) KQUANT_ROWS(KQUANT_UNPACKED_PASS, 1); \
+        /* passes of 4, but 5 and 6 rows as 3 + 2 and 3 + 3 (4 + 1 and 4 + 2: 0.95-0.99x) */         \
+        for (; row + KQUANT_PASS <= m && m - row != 5 && m - row != 6; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 0); \
+        if (m - row >= 5) {                                                                          \
+            KQUANT_ROWS(3, 0);                                                                       \
+            row += 3;                                                                                \
+        }                                                                                            \
+        switch (m - row) { /* the rest, each count its own unrolled instance */                      \
+            case 3: KQUANT_ROWS(3, 0); break;                                                        \
+            case 2: KQUANT_ROWS(2, 0); break;                                                        \
+            case 1: KQUANT_ROWS(1, 0); break;                                                        \
+            default: break;                                                                          \
+        }                                                                                            \
+    } while (0)
+#endif
+#define KQ_TILE_FN(NAME, KIND)                                                                           \
+    static __attribute__((noinline)) void NAME(const uint8_t *tile, int64_t next_ahead, int64_t supers, \
+                                               const int8_t *xqs, const struct super_consts *sc, int64_t k, \
+                                               int64_t m, const float *bias, const void *residual, void *y, \
+                                               int y_bf16, int64_t n, int64_t t, uint8_t *kunpacked) {    \
+        const int bits = KIND;                                                                           \
+        int64_t row = 0;                                                                                 \
+        (void)kunpacked;                                                                                 \
+        KQ_TILE_BODY;                                                                                    \
+    }
+KQ_TILE_FN(kq_tile_q4_k, SPECDEC_TILE_Q4_K)
+KQ_TILE_FN(kq_tile_q5_k, SPECDEC_TILE_Q5_K)
+KQ_TILE_FN(kq_tile_q6_k, SPECDEC_TILE_Q6_K)
+KQ_TILE_FN(kq_tile_iq4_xs, SPECDEC_TILE_IQ4_XS)
+KQ_TILE_FN(kq_tile_q3_k, SPECDEC_TILE_Q3_K)
+KQ_TILE_FN(kq_tile_q2_k, SPECDEC_TILE_Q2_K)
+#define KQ_TILE_ARGS tile, next_ahead, supers, xqs, sc, k, m, bias, residual, y, y_bf16, n, t, kunpacked
+
 #ifdef UNPACKED_GROUP /* R <= UNPACKED_PASS rows against the unpacked tile */
 #define UNPACKED_ROWS(R)                                                                              \
     do {                                                                                              \
@@ -359,36 +421,20 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             const int bits = tile_bits[t];
             int64_t row = 0;
             if (is_kquant(bits)) {
-#ifdef KQUANT_WIDE /* passes of up to MAX_ROWS rows in 512 bits (kquant_tiles.h) */
-                WIDE_PASSES(KQUANT_WIDE_ROWS);
-#else
-                /* NULL (few rows, no memory, or IQ4_XS, Q3_K, Q2_K: register passes only): decoded in every pass */
-                const int decodable = bits == SPECDEC_TILE_Q4_K || bits == SPECDEC_TILE_Q5_K || bits == SPECDEC_TILE_Q6_K;
-                const uint8_t *ku = decodable ? kunpacked : NULL;
-                for (int64_t s = 0; ku && s < supers; s++)
-                    kquant_unpack(bits, tile, s, kunpacked + s * KQUANT_UNPACKED_MAX);
-                for (; ku && row + KQUANT_UNPACKED_PASS <= m; row += KQUANT_UNPACKED_PASS) KQUANT_ROWS(KQUANT_UNPACKED_PASS, 1);
-                /* passes of 4, but 5 and 6 rows as 3 + 2 and 3 + 3 (4 + 1 and 4 + 2: 0.95-0.99x) */
-                for (; row + KQUANT_PASS <= m && m - row != 5 && m - row != 6; row += KQUANT_PASS) KQUANT_ROWS(KQUANT_PASS, 0);
-                if (m - row >= 5) {
-                    KQUANT_ROWS(3, 0);
-                    row += 3;
-                }
-                switch (m - row) { /* the rest, each count its own unrolled instance */
-                    case 3: KQUANT_ROWS(3, 0); break;
-                    case 2: KQUANT_ROWS(2, 0); break;
-                    case 1: KQUANT_ROWS(1, 0); break;
-                    default: break;
-                }
-#endif
+                if (bits == SPECDEC_TILE_Q4_K) kq_tile_q4_k(KQ_TILE_ARGS);
+                else if (bits == SPECDEC_TILE_Q5_K) kq_tile_q5_k(KQ_TILE_ARGS);
+                else if (bits == SPECDEC_TILE_Q6_K) kq_tile_q6_k(KQ_TILE_ARGS);
+                else if (bits == SPECDEC_TILE_IQ4_XS) kq_tile_iq4_xs(KQ_TILE_ARGS);
+                else if (bits == SPECDEC_TILE_Q3_K) kq_tile_q3_k(KQ_TILE_ARGS);
+                else kq_tile_q2_k(KQ_TILE_ARGS);
                 continue;
             }
             if (is_block32(bits)) {
-                if (bits == SPECDEC_TILE_Q5_0) B32_TILE(SPECDEC_TILE_Q5_0, B32_WIDE_Q5_0);
-                else if (bits == SPECDEC_TILE_Q4_0) B32_TILE(SPECDEC_TILE_Q4_0, B32_WIDE_Q4_0);
-                else if (bits == SPECDEC_TILE_Q4_1) B32_TILE(SPECDEC_TILE_Q4_1, B32_WIDE_Q4_1);
-                else if (bits == SPECDEC_TILE_IQ4_NL) B32_TILE(SPECDEC_TILE_IQ4_NL, B32_WIDE_IQ4_NL);
-                else B32_TILE(SPECDEC_TILE_MXFP4, B32_WIDE_MXFP4);
+                if (bits == SPECDEC_TILE_Q5_0) b32_tile_q5_0(B32_TILE_ARGS);
+                else if (bits == SPECDEC_TILE_Q4_0) b32_tile_q4_0(B32_TILE_ARGS);
+                else if (bits == SPECDEC_TILE_Q4_1) b32_tile_q4_1(B32_TILE_ARGS);
+                else if (bits == SPECDEC_TILE_IQ4_NL) b32_tile_iq4_nl(B32_TILE_ARGS);
+                else b32_tile_mxfp4(B32_TILE_ARGS);
                 continue;
             }
 #ifdef UNPACKED_GROUP
