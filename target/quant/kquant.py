@@ -1,11 +1,12 @@
-"""GGUF blocks repacked into `QLinear` tiles that `qgemm` reads as they are: the k-quants Q4_K and
-Q6_K (super-blocks of 256 inputs) and Q5_0 and Q8_0 (blocks of 32).
+"""GGUF blocks repacked into `QLinear` tiles that `qgemm` reads as they are: the k-quants Q4_K, Q5_K,
+Q6_K, Q3_K, Q2_K and IQ4_XS (super-blocks of 256 inputs) and Q5_0, Q4_0, Q4_1, IQ4_NL, MXFP4 and
+Q8_0 (blocks of 32).
 
 The file's quantized weights are not re-quantized: their integers, 6-bit (Q4_K) or int8 (Q6_K)
 sub-scales and fp16 scales move into the tile layouts of `kquant_tiles.h` and `block32_tiles.h`,
-16 output channels to a tile, with the file's bytes per weight (144, 210, 22 and 34 bytes per
-block). So the weights the kernel multiplies by are exactly the file's (`dequantize_tiles` gives
-back `gguf.quants.dequantize`'s values, tested), and loading is a reshuffle of bytes.
+16 output channels to a tile, with the file's bytes per weight (`BLOCK_BYTES` per block). So the
+weights the kernel multiplies by are exactly the file's (`dequantize_tiles` gives back
+`gguf.quants.dequantize`'s values, tested), and loading is a reshuffle of bytes.
 
     >>> tiles = pack_kquant(raw_rows, TILE_Q4_K)   # doctest: +SKIP  (raw_rows [N, K / 256 * 144] uint8)
 """
@@ -18,8 +19,9 @@ import numpy as np
 import torch
 
 from specdec import native
-from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q2_K, TILE_Q3_K, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0,
-                                TILE_Q5_K, TILE_Q6_K, TILE_Q8_0, raise_for_status)
+from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q2_K, TILE_Q3_K,
+                                TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K, TILE_Q6_K, TILE_Q8_0,
+                                raise_for_status)
 
 # bytes per block of BLOCK_INPUTS weights in the file and in a tile (per output channel): equal
 BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q5_K: 176, TILE_Q6_K: 210, TILE_Q5_0: 22, TILE_Q4_0: 18, TILE_Q4_1: 20,
