@@ -86,7 +86,7 @@ class EngineConfig:
     # CPU quantization (`target.quant.formats.MODES`); None: the loader picks per model
     # (`engine_parts.resolve_config`). On the CPU in bfloat16, where specdec's C kernel runs
     # (`target.quant.qgemm`: AVX-512 VNNI, AVX-VNNI or AVX2, bitwise the same), the target takes "gguf"
-    # (a GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / MXFP4 / Q8_0 tensors read as stored, the file's bytes and values,
+    # (a GGUF's quantized tensors read as stored, the file's bytes and values,
     # activations int8 per 256 inputs for the k-quants, per 32 for the others; anything else as "w4a8-auto": int4 where on the 4-bit grid, else int8,
     # activations int8 per group of 32), and so does a GGUF draft (`engine_parts.draft_default`);
     # a draft that is no GGUF takes "w4a8" (int4 everywhere; a draft only proposes, so its rounding

@@ -41,7 +41,7 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     """`config` with the quantization of each model chosen where it is None.
 
     On the CPU in bfloat16, where the C kernel runs (`quant.qgemm`: AVX2 or better, built here
-    once, ~2 s), the target takes "gguf" (a GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / MXFP4 / Q8_0 blocks as stored, "w4a8-auto" for
+    once, ~2 s), the target takes "gguf" (a GGUF's quantized blocks as stored, "w4a8-auto" for
     anything else) and the draft `draft_default`; without the kernel "w8a8" and
     "int4+w8a8"; elsewhere "none" (see `EngineConfig.target_quant`). Families the quantized
     path does not implement (Gemma, Phi-3) take "none", logged (`family_quant`).

@@ -6,7 +6,7 @@ for the 1.5B target, 272 MB for the 0.5B draft) where the GGUF holds it in 131 M
 blocks. `GGUFEmbedding` maps the table where it lies (a view of the file's pages, or of the
 default pair's package chunks) and dequantizes the rows of each forward's tokens exactly as the
 full-tensor conversion did (float32 from the blocks, then the model dtype): the values are
-bitwise those of the bf16 table it replaces. Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_0, IQ4_NL, MXFP4 and Q8_0 rows are read by C
+bitwise those of the bf16 table it replaces. Rows of the types `kquant.KIND_NAMES` lists are read by C
 (`kquant_pack.c` `gguf_rows`: ~5 us a row where the torch ops take ~270 us a lookup), the other
 types by `gguf_dequant`.
 

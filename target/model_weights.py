@@ -123,7 +123,7 @@ def _quantize_to_cache(model_dir: Path, dtype: torch.dtype, quant: str, path: Pa
     quantized model beside the mapped GGUF and the copies that packing makes: 5.8 GB peak for the
     default target, against 3.0 GB for a whole later run).
 
-    Where no linear was re-quantized (mode "gguf" on a GGUF of Q4_K / Q5_K / Q6_K / IQ4_XS / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / MXFP4 / Q8_0 tensors: every one
+    Where no linear was re-quantized (mode "gguf" on a GGUF of `kquant.KIND_NAMES`' types only: every one
     repacked as stored, ~2 s for the default target) nothing is cached: the model is returned, and
     every load is a first load."""
     # Quantize from float32 read tensor by tensor: a bf16 copy would knock Q4_K weights off

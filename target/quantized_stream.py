@@ -122,9 +122,9 @@ class _LayerLoader:
         self.seconds["read"] += time.perf_counter() - start
 
     def _take_file_blocks(self, prefix: str) -> None:
-        """The linears under `prefix` whose GGUF blocks the kernel reads as stored (Q4_K, Q5_K, Q6_K,
-        Q4_0, Q4_1, Q5_0, Q8_0 on whole tiles) become `QLinear`s of those tiles straight from the file: no
-        float copy is made."""
+        """The linears under `prefix` whose GGUF blocks the kernel reads as stored (the types of
+        `kquant.KIND_NAMES`, on whole tiles) become `QLinear`s of those tiles straight from the
+        file: no float copy is made. The others are noted in `not_taken`."""
         for name, module in list(self.model.named_modules()):
             if type(module) is not nn.Linear or getattr(module, "keep_dense", False) or not module.weight.is_meta:
                 continue
@@ -134,7 +134,7 @@ class _LayerLoader:
             kind = None if found is None else kquant.GGML_KINDS.get(found[1])
             if kind is None or not kquant.fits(kind, module.out_features, module.in_features):
                 if found is not None:
-                    why = "no kernel yet" if kind is None else "off the 16-row tile grid"
+                    why = "no kernel yet" if kind is None else "off the tile grid"
                     self.not_taken[(kquant.ggml_type_name(found[1]), why)].append([name, found[0].nbytes, 0])
                 continue
             bias = None if module.bias is None else self.reader.read(self.sources[f"{name}.bias"]).float()

@@ -313,6 +313,11 @@ def run(args: argparse.Namespace, config: Any, settings: Any) -> int:
     except KeyboardInterrupt:
         logger.info("shutting down the replicas")
     finally:
+        # a second Ctrl-C / SIGTERM while Ray Serve shuts down must not escape it half done (an
+        # uncaught KeyboardInterrupt ends the process by SIGINT, exit -2, with actors left behind; SIGKILL
+        # still ends it)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         serve.shutdown()
         if not args.ray_address:
             import ray

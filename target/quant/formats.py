@@ -57,7 +57,7 @@ class QuantMode:
     from_linear: Callable[[nn.Linear], nn.Module]
     smooth: bool = False  # SmoothQuant the model on calibration activations first
     needs_kernel: bool = False  # runs only where `qgemm` does
-    file_blocks: bool = False  # a GGUF's Q4_K / Q5_K / Q6_K / IQ4_XS / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / MXFP4 / Q8_0 tensors become tiles as stored (`kquant`)
+    file_blocks: bool = False  # a GGUF's tensors of `kquant.KIND_NAMES`' types become tiles as stored (`kquant`)
 
 
 MODES = {m.name: m for m in (
@@ -68,7 +68,8 @@ MODES = {m.name: m for m in (
     QuantMode("w4a8", QLINEAR, functools.partial(QLinear.from_linear, int4_max_error=math.inf), needs_kernel=True),
     QuantMode("w4a8-auto", QLINEAR, functools.partial(QLinear.from_linear, int4_max_error=AUTO_INT4_MAX_ERROR),
               needs_kernel=True),
-    # the file's own Q4_K / Q5_K / Q6_K / IQ4_XS / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / MXFP4 / Q8_0 blocks, no re-quantization; "w4a8-auto" for every other tensor
+    # the file's own blocks (`kquant.KIND_NAMES`: Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, Q4_0, Q4_1, Q5_0,
+    # IQ4_NL, MXFP4, Q8_0), no re-quantization; "w4a8-auto" for every other tensor
     QuantMode("gguf", QLINEAR, functools.partial(QLinear.from_linear, int4_max_error=AUTO_INT4_MAX_ERROR),
               needs_kernel=True, file_blocks=True),
 )}

@@ -10,10 +10,10 @@ rows in the batch.
 Output channels come in tiles of 16, each int4 or int8 on its own, so q/k/v and gate/up fuse by
 concatenating tiles whatever format each part took.
 
-A GGUF's Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_0, IQ4_NL, MXFP4 and Q8_0 tensors skip all of that (`from_gguf`): their blocks are
-repacked into tiles of those formats (`kquant.py`) with the file's bytes, read as they are by the
-kernel, activations then quantized per 256 inputs for the k-quants (llama.cpp's Q8_K), per 32 for
-Q5_0 / Q8_0. They fuse with the other formats the same way.
+A GGUF's tensors of the types `kquant.KIND_NAMES` lists skip all of that (`from_gguf`): their
+blocks are repacked into tiles of those formats (`kquant.py`) with the file's bytes, read as they
+are by the kernel, activations then quantized per 256 inputs for the k-quants and IQ4_XS
+(llama.cpp's Q8_K), per 32 for the blocks of 32. They fuse with the other formats the same way.
 """
 
 from __future__ import annotations
@@ -95,13 +95,14 @@ class QLinear(nn.Module):
     @classmethod
     def from_gguf(cls, raw, kind: int, in_features: int, bias: torch.Tensor | None) -> "QLinear":
         """From a GGUF tensor's blocks as stored, `raw [N, K / inputs per block * block bytes]`
-        uint8 of tile `kind` (`kquant.GGML_KINDS[ggml type]`: Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_0, IQ4_NL, MXFP4 or Q8_0):
-        repacked, not re-quantized (`kquant`)."""
+        uint8 of tile `kind` (`kquant.GGML_KINDS[ggml type]`, one of `kquant.KIND_NAMES`): repacked,
+        not re-quantized (`kquant`)."""
         n = raw.shape[0]
         if not kquant.fits(kind, n, in_features):
             inputs = kquant.BLOCK_INPUTS.get(kind, SUPER)
-            raise ValueError(f"GGUF tiles need a Q4_K, Q5_K, Q6_K, IQ4_XS, Q4_0, Q4_1, Q5_0, IQ4_NL, MXFP4 or Q8_0 tensor with out_features % {TILE} == 0 and "
-                             f"in_features % {inputs} == 0, got tile kind {kind}, {n}x{in_features}")
+            raise ValueError(f"GGUF tiles need a tensor of one of {sorted(kquant.KIND_NAMES.values())} with "
+                             f"out_features % {TILE} == 0 and in_features % {inputs} == 0, got tile kind {kind}, "
+                             f"{n}x{in_features}")
         tiles = kquant.pack_kquant(raw, kind)
         size = kquant.tile_bytes(kind, in_features)
         offsets = torch.arange(n // TILE, dtype=torch.int64) * size
