@@ -39,7 +39,7 @@ from specdec.target.quant.formats import MODES, linear_kind
 from specdec.target.quant.qgemm import require_qgemm
 from specdec.target.quant.qlinear import QLinear
 from specdec.target.quant.smoothing import recording_absmax, smooth_head, smooth_layer
-from specdec.target.runner import ModelRunner, Window
+from specdec.target.runner import ModelRunner, Window, weight_bytes
 
 
 def stream_quantized(
@@ -154,7 +154,7 @@ class _LayerLoader:
         for entries in self.not_taken.values():
             for entry in entries:
                 if entry[0] == prefix or entry[0].startswith(prefix + "."):
-                    entry[2] = _module_bytes(self.model.get_submodule(entry[0]))
+                    entry[2] = weight_bytes(self.model.get_submodule(entry[0]))
         self.seconds["quantize"] += time.perf_counter() - start
 
     def not_as_stored(self) -> list[str]:
@@ -263,12 +263,6 @@ class _RecordedHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.new_empty(*x.shape[:-1], 0)
-
-
-def _module_bytes(module: nn.Module) -> int:
-    """The bytes a forward of `module` reads: its parameters and buffers."""
-    tensors = list(module.parameters()) + list(module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors if not t.is_meta)
 
 
 @contextlib.contextmanager

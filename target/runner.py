@@ -43,6 +43,12 @@ class Step:
     ends: list[int]
 
 
+def weight_bytes(module: torch.nn.Module) -> int:
+    """The bytes of `module`'s parameters and buffers, each storage once (meta tensors: none)."""
+    tensors = {t.data_ptr(): t for t in [*module.parameters(), *module.buffers()] if not t.is_meta}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class ModelRunner:
     """Owns a model, its `PagedKVCache` and the `BlockPool` over that cache's blocks.
 
@@ -126,9 +132,7 @@ class ModelRunner:
         """(weights, KV pool): the bytes of the model's parameters and buffers (an embedding left
         in its GGUF file is read from the file and not counted) and of its cache's whole budget,
         whose pages a CPU cache takes only as tokens are written (`kv_cache._zeros`)."""
-        tensors = {t.data_ptr(): t for t in [*self.model.parameters(), *self.model.buffers()]}
-        weights = sum(t.numel() * t.element_size() for t in tensors.values())
-        return weights, self.kv_cache.kv.numel() * self.kv_cache.kv.element_size()
+        return weight_bytes(self.model), self.kv_cache.kv.numel() * self.kv_cache.kv.element_size()
 
     @property
     def routing(self) -> tuple[int, int] | None:
