@@ -42,6 +42,7 @@ _SEED_MODULUS = 2**63  # choice i samples with seed + i, wrapped into SamplingPa
 @router.post("/v1/chat/completions", tags=["openai"], responses=ERROR_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = server_state(request)
+    state.screen_fields(request, body)
     state.check_model(body.model)
     tool_use = body.tool_use
     tool_grammar = state.tool_grammar(tool_use)
@@ -59,6 +60,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 @router.post("/v1/completions", tags=["openai"], responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     state = server_state(request)
+    state.screen_fields(request, body)
     state.check_model(body.model)
     prompt_ids = state.completion_prompt_ids(body.prompt)
     echo = state.prompt_text(body.prompt, prompt_ids) if body.echo else ""

@@ -1,12 +1,14 @@
-"""ASGI middleware of the server: the API key check and the request-body size limit.
+"""ASGI middleware of the server: the API key check, the request-body size limit, and the
+`Warning` header naming the request fields a route ignored.
 
-Both answer with OpenAI's error body. They are plain ASGI (not BaseHTTPMiddleware) so streaming
+The first two answer with OpenAI's error body. They are plain ASGI (not BaseHTTPMiddleware) so streaming
 responses and disconnects pass through them untouched.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -76,3 +78,32 @@ class BodyLimitMiddleware:
 
     def _too_large(self) -> APIError:
         return APIError(413, f"the request body exceeds {self.max_bytes} bytes", code="request_too_large")
+
+
+def warning_value(ignored: list[str], most: int = 16) -> bytes:
+    """The header's value: a quoted string escaped as JSON escapes it (ASCII, no line breaks, which
+    a field name from a client's JSON may hold), at most `most` names."""
+    names = ", ".join(ignored[:most]) + (f" and {len(ignored) - most} more" if len(ignored) > most else "")
+    return b"299 specdec " + json.dumps(f"ignored unknown fields: {names}").encode()
+
+
+class IgnoredFieldsHeader:
+    """Adds `Warning: 299 specdec "ignored unknown fields: a, b"` (RFC 9111's miscellaneous
+    persistent warning) to the answer of a request whose route set `request.state.ignored_fields`
+    (`ServerState.screen_fields`), streamed or not."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_warning(message: Message) -> None:
+            ignored = scope.get("state", {}).get("ignored_fields")
+            if message["type"] == "http.response.start" and ignored:
+                message = {**message, "headers": [*message.get("headers", []), (b"warning", warning_value(ignored))]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_warning)

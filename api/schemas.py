@@ -1,11 +1,15 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic), validated before any work is done.
 
-Every field either changes the answer as OpenAI (or vLLM, for its extensions) defines it, or is
+Every declared field either changes the answer as OpenAI (or vLLM, for its extensions) defines it, or is
 refused with a 400 that names it. A few OpenAI fields cannot change the answer (`user`, `metadata`,
-`store`, `service_tier`, ...); they are accepted and not used. Any field not declared here is
-refused by name (`extra="forbid"`, answered as OpenAI answers one: `unknown_parameter`), so a
-control this server does not know never silently leaves the answer unchanged. docs/serving.md
-lists every field; tests/api/test_request_fields.py walks these models against that list.
+`store`, `service_tier`, ...); they are accepted and not used. A top-level field not declared here
+(`RequestBody`) is answered as vLLM answers it: accepted, named in a `Warning` header and a log
+line; `specdec serve --strict-fields` refuses it instead (OpenAI's `unknown_parameter`). Fields
+other servers honour that would change the answer here (`UNSUPPORTED_FIELDS`: vLLM's guided
+decoding, beam search, llama-server's samplers, ...) are refused by name either way, so a control
+this server does not have never silently leaves the answer unchanged. Inside messages, tools and
+other objects, unknown keys are refused. docs/serving.md lists every field;
+tests/api/test_request_fields.py walks these models against that list.
 `top_k`, `ignore_eos` and `num_speculative_tokens` are specdec extensions; `min_p`, `min_tokens`,
 `repetition_penalty`, `stop_token_ids` and `cache_salt` are vLLM's (pass them with the openai
 client's `extra_body`), and so is `response_format` on completions.
@@ -36,9 +40,52 @@ class FieldError(ValueError):
     """A field's value that only the loaded model can refuse (token ids past its vocabulary,
     `min_tokens` over the room left): a 400 naming `param`."""
 
-    def __init__(self, param: str, message: str) -> None:
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(f"{param}: {message}")
-        self.param = param
+        self.param, self.code = param, code
+
+
+_GUIDED = "send response_format (json_schema), or tools"
+# Fields that other servers honour and that would change the answer: refused by name, with the reason.
+UNSUPPORTED_FIELDS = {
+    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                     "guided_whitespace_pattern", "structured_outputs", "grammar", "json_schema"), _GUIDED),
+    **dict.fromkeys(("use_beam_search", "length_penalty", "early_stopping"), "beam search is not supported"),
+    **dict.fromkeys(("typical_p", "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier",
+                     "dry_base", "dry_allowed_length", "dry_penalty_last_n", "xtc_probability", "xtc_threshold",
+                     "top_n_sigma", "samplers", "penalty_last_n", "repeat_last_n", "dynatemp_range"),
+                    "this sampler is not supported (temperature, top_p, top_k, min_p and the penalties are)"),
+    **dict.fromkeys(("bad_words", "allowed_token_ids", "logits_processors"),
+                    "token restrictions are not supported; send logit_bias"),
+    **dict.fromkeys(("truncate_prompt_tokens", "add_special_tokens", "add_generation_prompt",
+                     "continue_final_message", "chat_template", "documents", "mm_processor_kwargs"),
+                    "the prompt is rendered by the model's own chat template as sent"),
+    **dict.fromkeys(("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "return_tokens_as_token_ids", "n_probs"), "the answer's text is given as the tokenizer decodes it"),
+    **dict.fromkeys(("audio", "modalities", "prediction", "web_search_options", "verbosity"),
+                    "this OpenAI feature is not supported"),
+    "priority": "requests are served first come, first served",
+    "n_predict": "send max_tokens",
+}
+
+
+class RequestBody(BaseModel):
+    """A request's top level. Fields it does not declare are kept (`model_extra`) for
+    `extra_fields` to refuse or let pass with a warning."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def extra_fields(self, strict: bool) -> list[str]:
+        """The undeclared fields this request sent, which leave the answer unchanged; raises
+        FieldError for one of `UNSUPPORTED_FIELDS` (or any, with `strict`)."""
+        extra = sorted(self.model_extra or {})
+        for name in extra:
+            if name in UNSUPPORTED_FIELDS:
+                raise FieldError(name, f"not supported: {UNSUPPORTED_FIELDS[name]}", "unsupported_parameter")
+        if strict and extra:
+            raise FieldError(extra[0], "unrecognized request argument (this server refuses unknown fields: "
+                             "--strict-fields)", "unknown_parameter")
+        return extra
 
 
 class ErrorDetail(BaseModel):
@@ -109,10 +156,8 @@ class ResponseFormatField(BaseModel):
         return None
 
 
-class GenerationFields(BaseModel):
+class GenerationFields(RequestBody):
     """Fields shared by chat and text completions."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)

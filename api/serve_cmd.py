@@ -35,6 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                    help="split a thinking model's <think> block into reasoning_content: auto (when the chat "
                         "template writes <think>), none, deepseek_r1 (the answer starts in the reasoning), qwen3")
+    p.add_argument("--strict-fields", action="store_true",
+                   help="refuse request fields this server does not know (400 unknown_parameter) instead of "
+                        "answering with a Warning header naming them (vLLM's default); fields other servers "
+                        "honour that would change the answer are refused either way")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_warmup_arg(p)
     add_engine_args(p)
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     settings = ServerSettings(
         model_name=args.served_model_name or served_name(config.target), api_key=args.api_key,
         max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes, on_load_error=on_dead,
-        warmup=args.warmup, reasoning_parser=args.reasoning_parser,
+        warmup=args.warmup, reasoning_parser=args.reasoning_parser, strict_fields=args.strict_fields,
     )
     if args.prefill_replicas and args.replicas is None:
         raise ValueError("--prefill-replicas needs --replicas N (prefill and decode replicas are Ray Serve replicas)")

@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specdec.api.completions import router as completions_router
 from specdec.api.engine_loop import AsyncEngine
 from specdec.api.errors import install_error_handlers
-from specdec.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from specdec.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, IgnoredFieldsHeader
 from specdec.api.state import ServerSettings, ServerState, server_state
 from specdec.api.tokenize import router as tokenize_router
 from specdec.version import version
@@ -58,6 +58,7 @@ def create_app(engine: Any | Callable[[], Any] | AsyncEngine, settings: ServerSe
     app.state.specdec = state
     install_error_handlers(app, state.metrics.record_status)
     # Added last = outermost: the key is checked before the body is read.
+    app.add_middleware(IgnoredFieldsHeader)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes, on_reject=state.metrics.record_status)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, on_reject=state.metrics.record_status)

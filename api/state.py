@@ -3,6 +3,7 @@ tokenization (chat template / text / token ids), all checked before a request re
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,10 +16,12 @@ from specdec.api.errors import APIError
 from specdec.api.logprobs import TokenTexts
 from specdec.api.metrics import ServerMetrics
 from specdec.api.reasoning import REASONING_PARSERS, chat_template_text
+from specdec.api.schemas import FieldError, RequestBody
 from specdec.api.tools import ToolUse, template_supports_tools, tool_tags_are_tokens
 from specdec.sampling_params import StructuredSpec
 from specdec.target.tokenizer import encode_prompt
 
+logger = logging.getLogger("specdec.api")
 TemplateVariables = Sequence[tuple[str, str, Any]]  # (param, name, value)
 
 
@@ -35,6 +38,7 @@ class ServerSettings:
     on_load_error: Callable[[str], None] | None = None
     warmup: bool = False  # run specdec.warmup.warm_up before /health turns 200 (`specdec serve` does)
     reasoning_parser: str = "auto"  # specdec.api.reasoning: auto, none, deepseek_r1 or qwen3
+    strict_fields: bool = False  # refuse undeclared request fields instead of ignoring them with a warning
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1:
@@ -79,6 +83,18 @@ class ServerState:
             raise APIError(503, "the model is still loading; retry shortly", code="model_loading",
                            headers={"Retry-After": "5"})
         return self.engine.info
+
+    def screen_fields(self, request: Request, body: RequestBody) -> None:
+        """Refuse `body`'s undeclared fields that would change the answer (and, with
+        `strict_fields`, any); let the others pass, logged and named in the response's `Warning`
+        header (`IgnoredFieldsHeader`)."""
+        try:
+            ignored = body.extra_fields(self.settings.strict_fields)
+        except FieldError as exc:
+            raise APIError(400, str(exc), exc.param, exc.code) from exc
+        if ignored:
+            logger.warning("%s: ignored fields the server does not know: %s", request.url.path, ", ".join(ignored))
+            request.state.ignored_fields = ignored
 
     def check_model(self, model: str) -> None:
         if model != self.settings.model_name:

@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from specdec.api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
+from specdec.api.middleware import warning_value
+from specdec.api.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 
 from .conftest import MODEL, chat_body
 from .test_validation import assert_error
@@ -104,7 +105,9 @@ def _cases(kind: str) -> list[tuple[str, str, object]]:
 def test_every_field_is_classified(schema, table):
     assert set(schema.model_fields) == set(table), (
         "classify every request field as honoured (with its test), no effect or refused")
-    assert schema.model_config.get("extra") == "forbid", "unknown fields must be refused, not ignored"
+    top_level = schema in (ChatCompletionRequest, CompletionRequest)
+    assert schema.model_config.get("extra") == ("allow" if top_level else "forbid"), (
+        "undeclared top-level fields go through RequestBody.extra_fields; nested ones are refused")
 
 
 @pytest.mark.parametrize("schema,table", SCHEMAS, ids=[s.__name__ for s, _ in SCHEMAS])
@@ -154,20 +157,56 @@ def test_a_refusal_message_in_the_history_is_accepted(server):
     assert httpx.post(server.url + CHAT, json=chat_body(**GREEDY) | {"messages": history}, timeout=30).status_code == 200
 
 
-def test_unknown_fields_are_refused_by_name(server):
+def test_fields_that_would_change_the_answer_are_refused_by_name(server):
     for path, make in ((CHAT, chat_body), (COMPLETIONS, completion_body)):
-        for field in ("use_beam_search", "guided_json", "frequency_penality"):
+        for field in ("use_beam_search", "guided_json", "typical_p", "skip_special_tokens"):
             error = assert_error(httpx.post(server.url + path, json=make(**{field: 1}), timeout=30), 400, field,
-                                 "unknown_parameter")
-            assert field in error["message"]
+                                 "unsupported_parameter")
+            assert field in error["message"] and UNSUPPORTED_FIELDS[field] in error["message"]
 
 
-def test_the_openai_client_sees_the_unknown_field_named(server):
+def test_unknown_fields_are_answered_with_a_warning_naming_them(server):
+    for path, make in ((CHAT, chat_body), (COMPLETIONS, completion_body)):
+        plain = httpx.post(server.url + path, json=make(**GREEDY), timeout=30)
+        assert "warning" not in plain.headers
+        sent = httpx.post(server.url + path, json=make(**GREEDY, frequency_penality=1, cache_prompt=True), timeout=30)
+        assert sent.status_code == 200, sent.text
+        assert sent.headers["warning"] == '299 specdec "ignored unknown fields: cache_prompt, frequency_penality"'
+        assert _text(sent.json()) == _text(plain.json())
+    with httpx.stream("POST", server.url + CHAT, json=chat_body(stream=True, **GREEDY, x_client="ide"),
+                      timeout=30) as streamed:
+        assert streamed.status_code == 200 and "x_client" in streamed.headers["warning"]
+        assert "[DONE]" in streamed.read().decode()
+
+
+def test_the_warning_header_escapes_what_a_client_sends():
+    value = warning_value(['a"b', "line\nbreak", "é"] + [f"f{i}" for i in range(20)])
+    assert value.isascii() and b"\n" not in value and b'a\\"b' in value and value.endswith(b' and 7 more"')
+    value.decode("ascii")  # a header h11 sends
+
+
+@pytest.fixture(scope="module")
+def strict_server(serve, make_engine):
+    with serve(make_engine(), strict_fields=True) as srv:
+        yield srv
+
+
+def test_strict_fields_refuses_unknown_fields_by_name(strict_server):
+    error = assert_error(httpx.post(strict_server.url + CHAT, json=chat_body(frequency_penality=1), timeout=30),
+                         400, "frequency_penality", "unknown_parameter")
+    assert "--strict-fields" in error["message"]
+    assert httpx.post(strict_server.url + CHAT, json=chat_body(**GREEDY), timeout=30).status_code == 200
+
+
+def test_the_openai_client_sees_the_unsupported_field_named(server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                            extra_body={"guided_json": {"type": "object"}})
-    assert err.value.body["param"] == "guided_json" and err.value.body["code"] == "unknown_parameter"
+        assert err.value.body["param"] == "guided_json" and err.value.body["code"] == "unsupported_parameter"
+        answer = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"cache_prompt": True})
+        assert "cache_prompt" in answer.headers["warning"] and answer.parse().choices[0].message is not None
 
 
 def test_message_name_and_tool_call_id_reach_the_template():

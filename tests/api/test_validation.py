@@ -72,7 +72,7 @@ CASES = [
     ("stop_token_ids past the vocabulary", COMPLETIONS, completion_body(stop_token_ids=[100000]), 400,
      "stop_token_ids", "?"),
     ("negative stop_token_id", COMPLETIONS, completion_body(stop_token_ids=[-1]), 400, "stop_token_ids.0", "?"),
-    ("unknown field", CHAT, chat_body(guided_json={"type": "object"}), 400, "guided_json", "unknown_parameter"),
+    ("unsupported field", CHAT, chat_body(guided_json={"type": "object"}), 400, "guided_json", "unsupported_parameter"),
     ("unknown field in a message", CHAT, chat_body() | {"messages": [{"role": "user", "content": "x", "x": 1}]},
      400, "messages.0.x", "unknown_parameter"),
     ("tools without a function", CHAT, chat_body(tools=[{"type": "function"}]), 400, "tools.0.function", "?"),
