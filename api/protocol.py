@@ -25,8 +25,9 @@ from typing import Any
 from specdec.api.logprobs import (
     TokenTexts, chat_logprobs, completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs,
 )
-from specdec.api.reasoning import ReasoningParser, split_reasoning
-from specdec.api.tool_calls import ToolCallParser, finish_reason, split_tool_calls, stream_delta
+from specdec.api.answer import AnswerEvent, AnswerParser, ReasoningDelta
+from specdec.api.reasoning import split_reasoning
+from specdec.api.tool_calls import split_tool_calls, stream_delta
 from specdec.sequence import StepDelta, TokenLogprobs
 
 
@@ -177,6 +178,10 @@ class CompletionFormat(ResponseFormat):
         return out
 
 
+def _chat_delta(event: AnswerEvent) -> dict[str, Any]:
+    return {"reasoning_content": event.text} if isinstance(event, ReasoningDelta) else stream_delta(event)
+
+
 def _join_logprobs(prompt: dict[str, Any], answer: dict[str, Any] | None) -> dict[str, Any]:
     if not answer:
         return prompt
@@ -203,36 +208,24 @@ class ChatFormat(ResponseFormat):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._parsers = [ToolCallParser() for _ in range(self.n)] if self.parse_tool_calls else None
-        self._reasoning = ([ReasoningParser(self.starts_in_reasoning) for _ in range(self.n)]
-                           if self.parse_reasoning else None)
+        self._answers = ([AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls)
+                          for _ in range(self.n)] if self.parse_tool_calls or self.parse_reasoning else None)
 
     def delta_chunks(self, index: int, delta: StepDelta) -> list[dict[str, Any]]:
-        if self._parsers is None and self._reasoning is None:
+        if self._answers is None:
             return super().delta_chunks(index, delta)
-        reasoning, content = self._reasoning[index].feed(delta.text) if self._reasoning else ("", delta.text)
-        deltas = self._deltas(index, reasoning, content) or [{}]
+        deltas = [_chat_delta(event) for event in self._answers[index].feed(delta.text)] or [{}]
         chunks = [self._chunk([self._delta_choice(index, d, None)]) for d in deltas]
         chunks[0]["choices"][0]["logprobs"] = self._stream_logprobs(index, delta)
         chunks[0]["specdec"] = step_extension(delta)
         return chunks
 
     def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
-        if self._parsers is None and self._reasoning is None:
+        if self._answers is None:
             return super().finish_chunks(index, reason)
-        deltas = self._deltas(index, *self._reasoning[index].finish()) if self._reasoning else []
-        if self._parsers is not None:
-            parser = self._parsers[index]
-            deltas += [stream_delta(event) for event in parser.finish()]
-            reason = finish_reason(reason, parser)
-        chunks = [self._chunk([self._delta_choice(index, d, None)]) for d in deltas]
-        return chunks + super().finish_chunks(index, reason)
-
-    def _deltas(self, index: int, reasoning: str, content: str) -> list[dict[str, Any]]:
-        deltas = [{"reasoning_content": reasoning}] if reasoning else []
-        if self._parsers is not None:
-            return deltas + [stream_delta(event) for event in self._parsers[index].feed(content)]
-        return deltas + ([{"content": content}] if content else [])
+        answer = self._answers[index]
+        chunks = [self._chunk([self._delta_choice(index, _chat_delta(event), None)]) for event in answer.finish()]
+        return chunks + super().finish_chunks(index, answer.finish_reason(reason))
 
     def _delta_choice(self, index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

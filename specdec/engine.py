@@ -397,6 +397,7 @@ class Engine:
             reason is not None, reason, pieces, seq.num_cached_tokens or 0,
             seq.stats if reason is not None else None, logprobs,
             prompt_logprobs=_prompt_logprobs(seq) if first else None,
+            stop_string=seq.detokenizer.matched if reason == "stop" and seq.detokenizer is not None else None,
         )
 
     # ---- prefill/decode disaggregation (specdec.handoff) ---------------------------------------

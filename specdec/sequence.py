@@ -133,6 +133,7 @@ class StepDelta:
     handoff: Any = None  # a `handoff.HandoffTicket` on a handed-off request's last delta
     # params.prompt_logprobs, on the request's first delta: [None] + prompt tokens 1..'s
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    stop_string: str | None = None  # on the finishing delta of a request a stop string ended (Anthropic's stop_sequence)
 
 
 @dataclass

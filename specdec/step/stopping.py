@@ -67,6 +67,7 @@ class StopChecker:
         self._full = ""
         self._emitted = 0
         self._final: str | None = None
+        self.matched: str | None = None  # the stop string that ended the text
 
     @property
     def text(self) -> str:
@@ -96,8 +97,11 @@ class StopChecker:
         return delta
 
     def _find_stop(self, start: int) -> int | None:
-        hits = [i for s in self.stop if (i := self._full.find(s, start)) >= 0]
-        return min(hits) if hits else None
+        hits = [(i, s) for s in self.stop if (i := self._full.find(s, start)) >= 0]
+        if not hits:
+            return None
+        at, self.matched = min(hits, key=lambda hit: hit[0])
+        return at
 
     def _held_back(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
