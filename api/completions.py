@@ -12,7 +12,6 @@ thread, which frees their blocks in both pools.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
@@ -22,14 +21,14 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
 from specdec.api.engine_loop import EngineDeadError, EngineInfo, GenerationRequest, RequestFailedError, RequestStream
-from specdec.api.errors import APIError, error_body
+from specdec.api.errors import APIError
 from specdec.api.logprobs import TokenTexts
 from specdec.api.protocol import ChatFormat, ChoiceOutput, CompletionFormat, ResponseFormat, Usage
 from specdec.api.reasoning import parses_reasoning, starts_in_reasoning
 from specdec.api.schemas import (
     ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields,
 )
-from specdec.api.state import ServerState, server_state
+from specdec.api.state import ServerState, TemplateVariables, server_state
 from specdec.api.tools import ToolDefinition
 from specdec.sampling_params import SamplingParams, StructuredSpec
 from specdec.sequence import StepDelta, TokenLogprobs
@@ -43,17 +42,24 @@ _SEED_MODULUS = 2**63  # choice i samples with seed + i, wrapped into SamplingPa
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state = server_state(request)
     state.screen_fields(request, body)
+    return await answer_chat(request, state, body, body.template_variables())
+
+
+async def answer_chat(request: Request, state: ServerState, body: ChatCompletionRequest,
+                      variables: TemplateVariables, make_format: type[ChatFormat] = ChatFormat) -> Any:
+    """A chat request answered in `make_format`'s shape (chat completions; Anthropic's Messages and
+    OpenAI's Responses translate their requests into one, `specdec.api.anthropic` / `.responses`)."""
     state.check_model(body.model)
     tool_use = body.tool_use
     tool_grammar = state.tool_grammar(tool_use)
     messages = [m.as_template_dict() for m in body.messages]
-    tools, variables = tool_use.template_tools(), body.template_variables()
+    tools = tool_use.template_tools()
     prompt_ids = state.chat_prompt_ids(messages, tools=tools, variables=variables)
     reasoning = _parses_reasoning(state, body)
     starts = reasoning and starts_in_reasoning(state.settings.reasoning_parser,
                                                state.chat_prompt_text(messages, tools, variables))
-    fmt = ChatFormat(state.settings.model_name, body.include_usage, body.num_choices, _token_texts(state, body),
-                     parse_tool_calls=tool_use.active, parse_reasoning=reasoning, starts_in_reasoning=starts)
+    fmt = make_format(state.settings.model_name, body.include_usage, body.num_choices, _token_texts(state, body),
+                      parse_tool_calls=tool_use.active, parse_reasoning=reasoning, starts_in_reasoning=starts)
     return await _generate(request, state, body, prompt_ids, fmt, "messages", tool_grammar)
 
 
@@ -101,6 +107,7 @@ async def _generate(
         await _check_tool_schemas(info, body.tools or [])
     if params.structured is not None:
         await _check_grammar(info, params.structured, "tools" if tool_grammar is not None else "response_format")
+    fmt.prompt_tokens = len(prompt_ids)
     active = ActiveRequest.admit(state, fmt.id, len(prompt_ids), body.num_choices)
     try:
         stream = state.engine.submit_all(active.generation_requests(prompt_ids, params, body))
@@ -168,11 +175,12 @@ class Choice:
     num_cached_tokens: int = 0
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)  # the engine's, from the finishing delta
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it
     last_token_at: float | None = None
 
     def output(self, with_logprobs: bool) -> ChoiceOutput:
         return ChoiceOutput("".join(self.texts), self.finish_reason or "stop", self.logprobs if with_logprobs else None,
-                            self.prompt_logprobs)
+                            self.prompt_logprobs, self.stop_string)
 
 
 class ActiveRequest:
@@ -250,6 +258,7 @@ class ActiveRequest:
             choice.stats = delta.stats
         if delta.finished:
             choice.finish_reason = delta.finish_reason or "stop"
+            choice.stop_string = delta.stop_string
         return choice
 
     def extension(self) -> dict[str, Any]:
@@ -278,24 +287,24 @@ class ActiveRequest:
 async def _sse_events(active: ActiveRequest, stream: RequestStream, fmt: ResponseFormat) -> AsyncIterator[Any]:
     try:
         for chunk in fmt.first_chunks():
-            yield _data(chunk)
+            yield fmt.sse(chunk)
         async for delta in stream:
             choice = active.on_delta(delta)
             if delta.token_ids or delta.text:
                 for chunk in fmt.delta_chunks(choice.index, delta):
-                    yield _data(chunk)
+                    yield fmt.sse(chunk)
             if delta.finished:
-                for chunk in fmt.finish_chunks(choice.index, choice.finish_reason):
-                    yield _data(chunk)
-        if fmt.include_usage:
-            yield _data(fmt.usage_chunk(active.usage))
+                for chunk in fmt.finish_chunks(choice.index, choice.finish_reason, delta.stop_string):
+                    yield fmt.sse(chunk)
+        for chunk in fmt.last_chunks(active.usage):
+            yield fmt.sse(chunk)
         active.close("stop")
-        yield "[DONE]"
+        if fmt.done_marker:
+            yield "[DONE]"
     except (EngineDeadError, RequestFailedError, ValueError) as exc:
         active.close("invalid" if isinstance(exc, ValueError) else "error")
-        error = _engine_error(exc)
-        yield {"event": "error", "data": json.dumps(error_body(error.message, error.type, error.param, error.code))}
-        yield "[DONE]"
+        for event in fmt.error_events(_engine_error(exc)):
+            yield event
     finally:  # cancelled by a disconnect, or closed mid-stream: abort at once
         active.close("aborted")
 
@@ -339,10 +348,6 @@ async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects (the body was read already, so only that can arrive)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _data(chunk: dict[str, Any]) -> str:
-    return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
 
 
 class _ClosingEventSource(EventSourceResponse):

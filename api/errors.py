@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` for every failure
+(Anthropic's `{"type": "error", "error": {"type", "message"}}` on /v1/messages).
 
 Handlers turn FastAPI's validation errors (bad JSON, wrong types, out-of-range values) into 400s,
 `APIError` into its own status, and anything unexpected into a 500 with the same body shape, so a
@@ -46,11 +47,20 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(
-        error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status_code,
-        headers=exc.headers,
-    )
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def error_response(exc: APIError, path: str = "") -> JSONResponse:
+    """The error's answer, in Anthropic's shape on its paths (/v1/messages...)."""
+    body = (anthropic_error_body(exc.status_code, exc.message) if path.startswith("/v1/messages")
+            else error_body(exc.message, exc.type, exc.param, exc.code))
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
@@ -77,7 +87,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int, str], None] | 
     def _answer(request: Request, exc: APIError) -> JSONResponse:
         if on_error is not None:
             on_error(exc.status_code, request.url.path)
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return _answer(request, validation_error(exc))

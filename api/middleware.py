@@ -17,7 +17,8 @@ from specdec.api.errors import APIError, error_response
 
 
 class ApiKeyMiddleware:
-    """401 for /v1/* without `Authorization: Bearer <key>`; /, /health and /metrics stay public.
+    """401 for /v1/* without `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`); /,
+    /health and /metrics stay public.
 
     The comparison runs in constant time (`hmac.compare_digest`) so response timing reveals nothing
     about how much of a guessed key was right.
@@ -32,17 +33,19 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not scope["path"].startswith("/v1") or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
-        provided = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(provided, self.expected):
+        headers = dict(scope["headers"])
+        provided = headers.get(b"authorization", b"")
+        if hmac.compare_digest(provided, self.expected) or (
+                b"x-api-key" in headers and hmac.compare_digest(b"Bearer " + headers[b"x-api-key"], self.expected)):
             await self.app(scope, receive, send)
             return
         if self.on_reject is not None:
             self.on_reject(401, scope["path"])
-        message = "missing API key" if not provided else "invalid API key"
+        message = "missing API key" if not (provided or b"x-api-key" in headers) else "invalid API key"
         response = error_response(APIError(
-            401, f"{message}: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+            401, f"{message}: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')", code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
-        ))
+        ), scope["path"])
         await response(scope, receive, send)
 
 
@@ -61,7 +64,7 @@ class BodyLimitMiddleware:
         if declared.isdigit() and int(declared) > self.max_bytes:
             if self.on_reject is not None:
                 self.on_reject(413, scope["path"])
-            await error_response(self._too_large())(scope, receive, send)
+            await error_response(self._too_large(), scope["path"])(scope, receive, send)
             return
         received = 0
 

@@ -17,11 +17,13 @@ target's correction, the bonus token after a fully accepted draft, or plain targ
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.api.errors import APIError, error_body
 from specdec.api.logprobs import (
     TokenTexts, chat_logprobs, completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs,
 )
@@ -66,6 +68,7 @@ class ChoiceOutput:
     finish_reason: str
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # [None] + prompt tokens 1..'s, when asked
+    stop_string: str | None = None  # the stop string that ended it
 
 
 @dataclass
@@ -81,6 +84,7 @@ class ResponseFormat:
     echo: str = ""
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    prompt_tokens: int = 0  # set once the prompt is tokenized
 
     id_prefix = "cmpl-"
     chunk_object = "text_completion"
@@ -100,13 +104,28 @@ class ResponseFormat:
         chunk["specdec"] = step_extension(delta)
         return [chunk]
 
-    def finish_chunks(self, index: int, finish_reason: str) -> list[dict[str, Any]]:
+    def finish_chunks(self, index: int, finish_reason: str, stop_string: str | None = None) -> list[dict[str, Any]]:
         return [self._chunk([self._choice(index, None, finish_reason, None)])]
+
+    def last_chunks(self, usage: Usage) -> list[dict[str, Any]]:
+        """After every choice finished: the usage chunk, when asked for."""
+        return [self.usage_chunk(usage)] if self.include_usage else []
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         chunk = self._chunk([])
         chunk["usage"] = usage.as_dict()
         return chunk
+
+    done_marker = True  # the stream ends with `data: [DONE]`
+
+    def sse(self, chunk: dict[str, Any]) -> Any:
+        """One chunk as sse-starlette sends it: a `data:` line (OpenAI's chat and completions)."""
+        return sse_data(chunk)
+
+    def error_events(self, error: APIError) -> list[Any]:
+        """What a stream sends when the engine fails mid-answer."""
+        return [{"event": "error", "data": json.dumps(error_body(error.message, error.type, error.param, error.code))},
+                "[DONE]"]
 
     def response(self, choices: list[ChoiceOutput], usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -178,6 +197,10 @@ class CompletionFormat(ResponseFormat):
         return out
 
 
+def sse_data(chunk: dict[str, Any]) -> str:
+    return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+
+
 def _chat_delta(event: AnswerEvent) -> dict[str, Any]:
     return {"reasoning_content": event.text} if isinstance(event, ReasoningDelta) else stream_delta(event)
 
@@ -220,7 +243,7 @@ class ChatFormat(ResponseFormat):
         chunks[0]["specdec"] = step_extension(delta)
         return chunks
 
-    def finish_chunks(self, index: int, reason: str) -> list[dict[str, Any]]:
+    def finish_chunks(self, index: int, reason: str, stop_string: str | None = None) -> list[dict[str, Any]]:
         if self._answers is None:
             return super().finish_chunks(index, reason)
         answer = self._answers[index]
