@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from specdec.api.anthropic import router as anthropic_router
 from specdec.api.completions import router as completions_router
+from specdec.api.responses import router as responses_router
 from specdec.api.engine_loop import AsyncEngine
 from specdec.api.errors import install_error_handlers
 from specdec.api.middleware import ApiKeyMiddleware, BodyLimitMiddleware, IgnoredFieldsHeader
@@ -65,6 +66,7 @@ def create_app(engine: Any | Callable[[], Any] | AsyncEngine, settings: ServerSe
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key, on_reject=state.metrics.record_status)
     app.include_router(completions_router)
     app.include_router(anthropic_router)
+    app.include_router(responses_router)
     app.include_router(tokenize_router)
     _add_service_routes(app, state)
     app.openapi = _openapi_without_422(app)

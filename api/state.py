@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +75,7 @@ class ServerState:
         self.metrics = ServerMetrics(engine)
         self.limiter = ConcurrencyLimiter(settings.max_concurrent)
         self._token_texts: TokenTexts | None = None
+        self.stored_responses: OrderedDict[str, Any] = OrderedDict()  # /v1/responses by id (`responses.STORED`)
 
     def info(self) -> EngineInfo:
         """The loaded engine's facts; 503 while loading or after the engine loop died."""
