@@ -13,7 +13,9 @@ import httpx
 import openai
 import pytest
 
+from specdec.api.anthropic import MessagesRequest
 from specdec.api.middleware import warning_value
+from specdec.api.responses import ResponsesRequest
 from specdec.api.schemas import UNSUPPORTED_FIELDS, ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
 
 from .conftest import MODEL, chat_body
@@ -218,3 +220,15 @@ def test_message_name_and_tool_call_id_reach_the_template():
 def _text(body: dict) -> str:
     choice = body["choices"][0]
     return choice["message"]["content"] if "message" in choice else choice["text"]
+
+
+@pytest.mark.parametrize("schema,section", [(ResponsesRequest, "### Responses API"),
+                                            (MessagesRequest, "### Anthropic Messages API")],
+                         ids=["responses", "messages"])
+def test_every_responses_and_messages_field_is_in_its_docs_table(schema, section):
+    docs = DOCS.read_text(encoding="utf-8")
+    body = docs[docs.index(section):]
+    table = "\n".join(line for line in body[: body.index("\n### ", 5)].splitlines() if line.startswith("|"))
+    missing = set(schema.model_fields) - set(re.findall(r"`([a-z_]+)`", table))
+    assert not missing, f"{schema.__name__} fields missing from docs/serving.md's {section!r} table: {sorted(missing)}"
+    assert schema.model_config.get("extra") == "allow"  # RequestBody: unknown fields answered as on chat
