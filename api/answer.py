@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdec.api.reasoning import ReasoningParser
-from specdec.api.tool_calls import ArgumentsDelta, CallStart, ContentDelta, Event, ToolCallParser, finish_reason
+from specdec.api.tool_calls import ArgumentsDelta, CallStart, ContentDelta, Event, finish_reason, tool_call_parser
 
 
 @dataclass
@@ -26,11 +26,13 @@ AnswerEvent = ReasoningDelta | Event
 
 class AnswerParser:
     """Feeds on text pieces, returns `AnswerEvent`s (`reasoning`: split a `<think>` block out,
-    `starts_in_reasoning` when the prompt left it open; `tool_calls`: parse calls out of the content)."""
+    `starts_in_reasoning` when the prompt left it open; `tool_calls`: parse calls in `call_format`
+    out of the content)."""
 
-    def __init__(self, reasoning: bool, starts_in_reasoning: bool, tool_calls: bool) -> None:
+    def __init__(self, reasoning: bool, starts_in_reasoning: bool, tool_calls: bool,
+                 call_format: str = "hermes") -> None:
         self._reasoning = ReasoningParser(starts_in_reasoning) if reasoning else None
-        self.tools = ToolCallParser() if tool_calls else None
+        self.tools = tool_call_parser(call_format) if tool_calls else None
         self._calls = 0  # calls started
 
     def feed(self, text: str) -> list[AnswerEvent]:

@@ -43,7 +43,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from specdec.api.answer import AnswerParser, Block, BlockEvent, Blocks, whole_answer
+from specdec.api.answer import Block, BlockEvent, Blocks, whole_answer
 from specdec.api.completions import answer_chat
 from specdec.api.errors import APIError, anthropic_error_body
 from specdec.api.protocol import ChatFormat, ChoiceOutput, Usage, sse_data
@@ -287,7 +287,7 @@ class MessagesFormat(ChatFormat):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._parser = AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls)
+        self._parser = self.answer_parser()
         self._blocks = Blocks()
         self._stop: tuple[str, str | None] = ("end_turn", None)
 
@@ -314,7 +314,7 @@ class MessagesFormat(ChatFormat):
 
     def response(self, choices: list[ChoiceOutput], usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
         choice = choices[0]
-        parser = AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls)
+        parser = self.answer_parser()
         blocks = whole_answer(parser, choice.text)
         stop = _stop_reason(parser.finish_reason(choice.finish_reason), choice.stop_string)
         return self._message([_block(b, whole=True) for b in blocks], stop, usage) | {"specdec": extension}

@@ -224,6 +224,7 @@ class ChatFormat(ResponseFormat):
     parse_tool_calls: bool = False
     parse_reasoning: bool = False
     starts_in_reasoning: bool = False
+    tool_format: str = "hermes"  # the calls' format (`specdec.tool_grammar.CALL_FORMATS`)
 
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
@@ -231,8 +232,10 @@ class ChatFormat(ResponseFormat):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._answers = ([AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls)
-                          for _ in range(self.n)] if self.parse_tool_calls or self.parse_reasoning else None)
+        self._answers = ([self.answer_parser() for _ in range(self.n)] if self.parse_tool_calls or self.parse_reasoning else None)
+
+    def answer_parser(self) -> AnswerParser:
+        return AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls, self.tool_format)
 
     def delta_chunks(self, index: int, delta: StepDelta) -> list[dict[str, Any]]:
         if self._answers is None:
@@ -271,7 +274,7 @@ class ChatFormat(ResponseFormat):
         if self.parse_reasoning:
             message["reasoning_content"], message["content"] = split_reasoning(choice.text, self.starts_in_reasoning)
         if self.parse_tool_calls:
-            message["content"], calls = split_tool_calls(message["content"])
+            message["content"], calls = split_tool_calls(message["content"], self.tool_format)
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason

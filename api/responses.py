@@ -40,7 +40,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import Field, ValidationError
 
-from specdec.api.answer import AnswerParser, Block, BlockEvent, Blocks, whole_answer
+from specdec.api.answer import Block, BlockEvent, Blocks, whole_answer
 from specdec.api.completions import answer_chat
 from specdec.api.errors import APIError
 from specdec.api.protocol import ChatFormat, ChoiceOutput, Usage, sse_data
@@ -266,7 +266,7 @@ class ResponsesFormat(ChatFormat):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._parser = AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls)
+        self._parser = self.answer_parser()
         self._blocks = Blocks()
         self._item_ids: dict[int, str] = {}
         self._sequence = 0
@@ -300,7 +300,7 @@ class ResponsesFormat(ChatFormat):
 
     def response(self, choices: list[ChoiceOutput], usage: Usage, extension: dict[str, Any]) -> dict[str, Any]:
         choice = choices[0]
-        parser = AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls)
+        parser = self.answer_parser()
         blocks = whole_answer(parser, choice.text)
         return self._finished(blocks, parser.finish_reason(choice.finish_reason), usage) | {"specdec": extension}
 

@@ -20,6 +20,7 @@ logger = logging.getLogger("specdec.api")
 def register(sub: argparse._SubParsersAction) -> None:
     from specdec.api.args import add_engine_args, add_warmup_arg
     from specdec.api.reasoning import REASONING_PARSERS
+    from specdec.api.tools import TOOL_CALL_PARSERS
 
     p = sub.add_parser("serve", help="serve the OpenAI API (chat/completions, streaming) over HTTP")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -35,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reasoning-parser", default="auto", choices=REASONING_PARSERS,
                    help="split a thinking model's <think> block into reasoning_content: auto (when the chat "
                         "template writes <think>), none, deepseek_r1 (the answer starts in the reasoning), qwen3")
+    p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
+                   help="the format tool calls are constrained to and parsed in: auto (the one the chat template "
+                        "writes), hermes (<tool_call>), llama3_json, mistral ([TOOL_CALLS])")
     p.add_argument("--strict-fields", action="store_true",
                    help="refuse request fields this server does not know (400 unknown_parameter) instead of "
                         "answering with a Warning header naming them (vLLM's default); fields other servers "
@@ -77,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or served_name(config.target), api_key=args.api_key,
         max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes, on_load_error=on_dead,
         warmup=args.warmup, reasoning_parser=args.reasoning_parser, strict_fields=args.strict_fields,
+        tool_call_parser=args.tool_call_parser,
     )
     if args.prefill_replicas and args.replicas is None:
         raise ValueError("--prefill-replicas needs --replicas N (prefill and decode replicas are Ray Serve replicas)")

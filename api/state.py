@@ -18,7 +18,7 @@ from specdec.api.logprobs import TokenTexts
 from specdec.api.metrics import ServerMetrics
 from specdec.api.reasoning import REASONING_PARSERS, chat_template_text
 from specdec.api.schemas import FieldError, RequestBody
-from specdec.api.tools import ToolUse, template_supports_tools, tool_tags_are_tokens
+from specdec.api.tools import TOOL_CALL_PARSERS, ToolUse, mistral_tag_id, template_call_format, tool_tags_are_tokens
 from specdec.sampling_params import StructuredSpec
 from specdec.target.tokenizer import encode_prompt
 
@@ -39,6 +39,7 @@ class ServerSettings:
     on_load_error: Callable[[str], None] | None = None
     warmup: bool = False  # run specdec.warmup.warm_up before /health turns 200 (`specdec serve` does)
     reasoning_parser: str = "auto"  # specdec.api.reasoning: auto, none, deepseek_r1 or qwen3
+    tool_call_parser: str = "auto"  # specdec.api.tools.TOOL_CALL_PARSERS: the chat template's, or one named
     strict_fields: bool = False  # refuse undeclared request fields instead of ignoring them with a warning
 
     def __post_init__(self) -> None:
@@ -46,6 +47,9 @@ class ServerSettings:
             raise ValueError(f"max_concurrent must be at least 1, got {self.max_concurrent}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
@@ -152,16 +156,27 @@ class ServerState:
         except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's
             raise APIError(400, f"the chat template rejected these messages: {exc}", "messages") from exc
 
+    @property
+    def tool_call_format(self) -> str | None:
+        """The format tool calls are written and parsed in: `--tool-call-parser`, or the one the
+        chat template writes (None: it offers no tools specdec can parse)."""
+        if self.settings.tool_call_parser != "auto":
+            return self.settings.tool_call_parser
+        tokenizer = self.tokenizer
+        return None if tokenizer is None else template_call_format(tokenizer)
+
     def tool_grammar(self, tool_use: ToolUse) -> StructuredSpec | None:
-        """The grammar of an answer with tools (None without): calls in the `<tool_call>` format,
-        which the chat template must be written for (Qwen2.5's is)."""
+        """The grammar of an answer with tools (None without): calls in the chat template's format."""
         if not tool_use.active:
             return None
+        call_format = self.tool_call_format
+        if call_format is None:
+            raise APIError(400, "this model's chat template does not offer tools in a format specdec parses "
+                           "(Hermes / Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3.1 JSON); "
+                           "--tool-call-parser names one", "tools", "invalid_value")
         tokenizer = self.tokenizer
-        if tokenizer is None or not template_supports_tools(tokenizer):
-            raise APIError(400, "this model's chat template does not offer tools in the <tool_call> format "
-                           "(Hermes / Qwen2.5)", "tools", "invalid_value")
-        return tool_use.structured(tool_tags_are_tokens(tokenizer))
+        return tool_use.structured(tool_tags_are_tokens(tokenizer), call_format,
+                                   mistral_tag_id(tokenizer) if call_format == "mistral" else None)
 
     def completion_prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion's prompt as ids: token ids as sent, text led by the model's BOS where its

@@ -51,7 +51,10 @@ class ArgumentsDelta:
 Event = ContentDelta | CallStart | ArgumentsDelta
 
 
-def new_call_id() -> str:
+def new_call_id(call_format: str = "hermes") -> str:
+    """OpenAI's `call_...`; Mistral's templates want nine letters and digits."""
+    if call_format == "mistral":
+        return uuid.uuid4().hex[:9]
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -186,10 +189,86 @@ class ToolCallParser:
         self.num_complete += 1
 
 
-def split_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+_DECODER = json.JSONDecoder()
+# how an answer opens its calls (the grammar keeps text from opening so)
+_LEADS = {"llama3_json": regex.compile(r"\s*(<\|python_tag\|>)?(?=\{)|\s*<\|python_tag\|>"),
+          "mistral": regex.compile(r"\s*(\[TOOL_CALLS\])?(?=\[\s*\{)|\s*\[TOOL_CALLS\]")}
+
+
+class JsonCallsParser:
+    """The parser of the formats whose calls are bare JSON objects at the answer's start
+    (`llama3_json`: `{"name": "f", "parameters": {...}}; {...}`, an optional `<|python_tag|>`
+    first; `mistral`: `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]`, the tag invisible
+    where it is a special token). Same events and fields as `ToolCallParser`. An answer that opens
+    otherwise is content, all of it (the grammar allows calls only at the start). A call's events
+    come once its object is whole (its arguments in one piece, as `json.dumps` writes them: the
+    constrained text's own spacing); text after the calls is dropped, as vLLM's parsers drop it.
+
+    >>> p = JsonCallsParser("llama3_json")
+    >>> p.feed('{"name": "f", "parameters": {"x": 1}}; {"name": "g", "par') + p.feed('ameters": {}}') + p.finish()
+    [CallStart(index=0, id='call_...', name='f'), ArgumentsDelta(index=0, text='{"x": 1}'), CallStart(index=1, id='call_...', name='g'), ArgumentsDelta(index=1, text='{}')]
+    """
+
+    def __init__(self, call_format: str) -> None:
+        self.format = call_format
+        self._lead = _LEADS[call_format]
+        self._text = ""
+        self._mode: str | None = None  # None: undecided, "text", "calls"
+        self._at = 0  # calls mode: where the next call (or separator) starts
+        self.num_calls = self.num_complete = 0
+        self.truncated_call: str | None = None
+
+    def feed(self, text: str) -> list[Event]:
+        self._text += text
+        if self._mode is None:
+            lead = self._lead.match(self._text, partial=True)
+            if lead is not None and (lead.partial or not self._text.strip()):
+                return []  # may still open a call
+            self._mode = "calls" if lead is not None else "text"
+            self._at = lead.end() if lead is not None else 0
+        if self._mode == "text":
+            out, self._text = self._text, ""
+            return [ContentDelta(out)] if out else []
+        return self._calls()
+
+    def finish(self) -> list[Event]:
+        events = self._calls() if self._mode == "calls" else []
+        rest = self._text[self._at:].strip(" \n\t;,]") if self._mode == "calls" else self._text
+        if self._mode == "calls" and rest:
+            self.truncated_call = rest  # an object never closed
+        elif self._mode is None and rest:
+            events.append(ContentDelta(rest))
+        self._text, self._at = "", 0
+        return events
+
+    def _calls(self) -> list[Event]:
+        events: list[Event] = []
+        while True:
+            at = self._at
+            while at < len(self._text) and self._text[at] in " \n\t;,[":
+                at += 1
+            try:
+                call, end = _DECODER.raw_decode(self._text, at)
+            except ValueError:
+                return events  # not whole yet
+            self._at = end
+            arguments = call.get("parameters", call.get("arguments")) if isinstance(call, dict) else None
+            if not (isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(arguments, dict)):
+                continue  # not a call (only without a constraint): dropped
+            events.append(CallStart(self.num_calls, new_call_id(self.format), call["name"]))
+            events.append(ArgumentsDelta(self.num_calls, json.dumps(arguments, ensure_ascii=False)))
+            self.num_calls += 1
+            self.num_complete += 1
+
+
+def tool_call_parser(call_format: str = "hermes") -> ToolCallParser | JsonCallsParser:
+    return ToolCallParser() if call_format == "hermes" else JsonCallsParser(call_format)
+
+
+def split_tool_calls(text: str, call_format: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
     """(content or None, tool_calls as OpenAI returns them) of a whole answer: the complete calls
     only; an unfinished one (cut off by max_tokens) is in neither."""
-    parser = ToolCallParser()
+    parser = tool_call_parser(call_format)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls: list[dict[str, Any]] = []

@@ -1,6 +1,7 @@
 """Tool calling, request side: `tools`, `tool_choice`, `parallel_tool_calls` and the assistant's
-earlier `tool_calls`, as OpenAI defines them, for chat templates in the Hermes / Qwen2.5
-`<tool_call>` format.
+earlier `tool_calls`, as OpenAI defines them, for chat templates that write calls in the Hermes /
+Qwen `<tool_call>` format, Mistral's `[TOOL_CALLS]` list or Llama 3.1's JSON
+(`template_call_format`, or `specdec serve --tool-call-parser`).
 
 - `tool_choice="none"`: the tools are left out of the prompt (the model cannot see them, so it
   answers in text; OpenAI lists them and forbids calls) and the answer is not parsed;
@@ -22,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specdec.sampling_params import StructuredSpec
-from specdec.tool_grammar import CLOSE_TAG, OPEN_TAG, ToolGrammarSpec, tool_call_grammar
+from specdec.tool_grammar import CALL_FORMATS, CLOSE_TAG, MISTRAL_TAG, OPEN_TAG, ToolGrammarSpec, tool_call_grammar
 
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 
@@ -140,14 +141,14 @@ class ToolUse:
             return [t for t in self.tools if t.function.name == self.choice.function.name]
         return self.tools
 
-    def structured(self, tag_tokens: bool) -> StructuredSpec | None:
-        """The grammar of the answer (None when no tools are active)."""
+    def structured(self, tag_tokens: bool, call_format: str = "hermes", tag_id: int | None = None) -> StructuredSpec | None:
+        """The grammar of the answer (None when no tools are active), calls in `call_format`."""
         if not self.active:
             return None
         named = isinstance(self.choice, NamedToolChoice)  # OpenAI: one call of that function
         spec = ToolGrammarSpec.build([(t.function.name, t.function.parameters) for t in self.callable_tools()],
                                      free_text=self.choice == "auto", parallel=self.parallel and not named,
-                                     tag_tokens=tag_tokens)
+                                     tag_tokens=tag_tokens, call_format=call_format, tag_id=tag_id)
         return StructuredSpec.lark(tool_call_grammar(spec))
 
 
@@ -157,9 +158,28 @@ def tool_tags_are_tokens(tokenizer: Any) -> bool:
     return OPEN_TAG in added and CLOSE_TAG in added
 
 
-def template_supports_tools(tokenizer: Any) -> bool:
-    """The chat template lists `tools` and writes calls in the `<tool_call>` format."""
+TOOL_CALL_PARSERS = ("auto",) + CALL_FORMATS
+
+
+def template_call_format(tokenizer: Any) -> str | None:
+    """The call format the chat template writes (`specdec.tool_grammar.CALL_FORMATS`), None if
+    none: `<tool_call>` (Hermes, Qwen2.5 / Qwen3), `[TOOL_CALLS]` (Mistral), Llama 3.1's
+    `{"name": ..., "parameters": ...}` (its template names `"parameters"`, or `<|python_tag|>`)."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if isinstance(template, dict):
         template = "".join(template.values())
-    return "tools" in template and OPEN_TAG in template
+    if "tools" not in template:
+        return None
+    if OPEN_TAG in template:
+        return "hermes"
+    if MISTRAL_TAG in template:
+        return "mistral"
+    if '"parameters": ' in template or "<|python_tag|>" in template:
+        return "llama3_json"
+    return None
+
+
+def mistral_tag_id(tokenizer: Any) -> int | None:
+    """The id of `[TOOL_CALLS]` where it is one token of the vocabulary (Mistral's: a control token)."""
+    ids = tokenizer.encode(MISTRAL_TAG, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None

@@ -1,4 +1,4 @@
-"""Tool calls as a grammar: the Hermes / Qwen2.5 format
+"""Tool calls as a grammar, in the chat template's format (`CALL_FORMATS`); the Hermes / Qwen2.5 one
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
@@ -42,18 +42,62 @@ class ToolGrammarSpec:
     free_text: bool
     parallel: bool = True
     tag_tokens: bool = True
+    call_format: str = "hermes"  # one of CALL_FORMATS
+    tag_id: int | None = None  # mistral: the id of the `[TOOL_CALLS]` token, where the vocabulary has one
 
     @classmethod
     def build(cls, functions: Sequence[tuple[str, dict[str, Any] | None]], *, free_text: bool,
-              parallel: bool = True, tag_tokens: bool = True) -> "ToolGrammarSpec":
+              parallel: bool = True, tag_tokens: bool = True, call_format: str = "hermes",
+              tag_id: int | None = None) -> "ToolGrammarSpec":
         if not functions:
             raise ValueError("a tool grammar needs at least one function")
+        if call_format not in CALL_FORMATS:
+            raise ValueError(f"unknown tool call format {call_format!r}; one of {', '.join(CALL_FORMATS)}")
         named = tuple((name, json.dumps(_NO_PARAMETERS if params is None else params)) for name, params in functions)
-        return cls(named, free_text, parallel, tag_tokens)
+        return cls(named, free_text, parallel, tag_tokens, call_format, tag_id)
+
+
+# Tool call formats (vLLM's parser names):
+#   hermes       <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>   (Qwen2.5, Qwen3, Hermes)
+#   llama3_json  {"name": "f", "parameters": {...}}; {"name": ...}            (Llama 3.1-3.3's custom tools)
+#   mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]         (Mistral v0.3 and later JSON lists)
+CALL_FORMATS = ("hermes", "llama3_json", "mistral")
+MISTRAL_TAG = "[TOOL_CALLS]"
 
 
 def tool_call_grammar(spec: ToolGrammarSpec) -> str:
-    """The Lark grammar of `spec`.
+    """The Lark grammar of `spec`, in its call format."""
+    if spec.call_format == "hermes":
+        return _hermes_grammar(spec)
+    key = "parameters" if spec.call_format == "llama3_json" else "arguments"
+    if spec.call_format == "llama3_json":  # calls only at the answer's start: text may not open with "{"
+        calls = 'fn ("; " fn)*' if spec.parallel else "fn"
+        lines, lead = [f"calls: {calls}"], r"\s*\{"
+    else:
+        tag = f"<[{spec.tag_id}]>" if spec.tag_id is not None else json.dumps(MISTRAL_TAG)
+        more = ' (", " fn)*' if spec.parallel else ""
+        lines, lead = [f'calls: {tag} "[" fn{more} "]"'], r"\s*(\[TOOL_CALLS\]|\[\s*\{)"
+    start = "start: TEXT | calls" if spec.free_text else "start: calls"
+    if spec.free_text:
+        lines.append(f"TEXT: /(.|\\n)*/ & ~/{lead}(.|\\n)*/")
+    return "%llguidance {}\n" + "\n".join([start, *lines, *_functions(spec, key)]) + "\n"
+
+
+def _functions(spec: ToolGrammarSpec, key: str) -> list[str]:
+    """`fn`: one of the functions as a JSON object, `{"name": ..., key: arguments}`, compact."""
+    lines = ["fn: " + " | ".join(f"fn_{i}" for i in range(len(spec.functions)))]
+    for i, (name, params) in enumerate(spec.functions):
+        header = json.dumps(f'{{"name": {json.dumps(name)}, "{key}": ')
+        schema = json.loads(params)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": JSON_OPTIONS}  # compact, as response_format
+        lines.append(f'fn_{i}: {header} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+    return lines
+
+
+def _hermes_grammar(spec: ToolGrammarSpec) -> str:
+    """The Lark grammar of `spec` in the Hermes format.
 
     >>> print(tool_call_grammar(ToolGrammarSpec.build([("f", None)], free_text=False, parallel=False)))
     %llguidance {}
@@ -79,14 +123,7 @@ def tool_call_grammar(spec: ToolGrammarSpec) -> str:
     else:
         lines = [f"start: {open_} body{more}"]
     lines.append(f'body: "\\n" fn "\\n" {close}')
-    lines.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(spec.functions))))
-    for i, (name, params) in enumerate(spec.functions):
-        header = json.dumps(f'{{"name": {json.dumps(name)}, "arguments": ')
-        schema = json.loads(params)
-        if isinstance(schema, dict):
-            schema = {**schema, "x-guidance": JSON_OPTIONS}  # compact, as response_format
-        lines.append(f'fn_{i}: {header} args_{i} "}}"')
-        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+    lines += _functions(spec, "arguments")
     return "%llguidance {}\n" + "\n".join(lines) + "\n"
 
 
