@@ -1,0 +1,183 @@
+"""Tool calls in each family's format, on tiny random models with that family's chat template
+(the tool parts of Llama 3.1's and Mistral v0.3's templates, written here as the hub files write
+them): the format is picked from the template, a forced call parses and validates whole and
+streamed, a named one calls that function, the conversation goes on through the template (whose
+own checks, such as Mistral's nine-character call ids, pass), and greedy speculative decoding gives
+the target-only answer under the grammar. The parser, fed in any split, agrees with the whole
+answer."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from specdec.api.tool_calls import JsonCallsParser, split_tool_calls
+from specdec.api.tools import template_call_format
+from specdec.config import EngineConfig
+from specdec.engine import Engine
+from specdec.testing import TINY_CHAT_TEMPLATE, noisy_twin, tiny_pair, tiny_tokenizer
+
+from .conftest import MODEL
+from .test_tools import SCHEMAS, TOOLS
+
+LLAMA31 = (
+    "{{- bos_token if bos_token else '' }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set messages = messages[1:] %}{%- else %}{%- set system_message = '' %}{%- endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n{{ system_message }}<|eot_id|>"
+    "{%- if tools is not none and tools %}{%- set first_user_message = messages[0]['content'] %}"
+    "{%- set messages = messages[1:] %}<|start_header_id|>user<|end_header_id|>\n\n"
+    "Given the following functions, please respond with a JSON for a function call with its proper arguments "
+    "that best answers the given prompt.\n\n"
+    "Respond in the format {\"name\": function name, \"parameters\": dictionary of argument name and its value}."
+    "Do not use variables.\n\n"
+    "{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\n\n' }}{%- endfor %}"
+    "{{- first_user_message + '<|eot_id|>' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{%- elif 'tool_calls' in message %}{%- set tool_call = message.tool_calls[0].function %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{{- '{\"name\": \"' + tool_call.name + '\", \"parameters\": ' + (tool_call.arguments | tojson) + '}' }}<|eot_id|>"
+    "{%- else %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ message.content }}<|eot_id|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+)
+MISTRAL = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token if bos_token else '' }}{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}"
+    "{%- if tools is not none and tools and loop.last %}[AVAILABLE_TOOLS] ["
+    "{%- for tool in tools %}{{- tool | tojson }}{%- if not loop.last %}, {% endif %}{%- endfor %}]"
+    "[/AVAILABLE_TOOLS]{%- endif %}[INST] {{ message['content'] }}[/INST]"
+    "{%- elif message.tool_calls is defined and message.tool_calls is not none %}[TOOL_CALLS] ["
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- '{\"name\": \"' + tool_call.function.name + '\", \"arguments\": ' + (tool_call.function.arguments | tojson)"
+    " + ', \"id\": \"' + tool_call.id + '\"}' }}{%- if not loop.last %}, {% endif %}{%- endfor %}]<|im_end|>"
+    "{%- elif message['role'] == 'tool' %}[TOOL_RESULTS] {\"content\": {{ message.content|tojson }}, "
+    "\"call_id\": \"{{ message.tool_call_id }}\"}[/TOOL_RESULTS]"
+    "{%- else %}{{ message['content'] }}<|im_end|>{%- endif %}{%- endfor %}"
+)
+TEMPLATES = {"llama3_json": LLAMA31, "mistral": MISTRAL}
+SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>", "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[INST]", "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "search_code"}}
+
+
+def test_the_template_picks_the_format():
+    tokenizer = tiny_tokenizer()
+    plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    for expected, template in [("llama3_json", LLAMA31), ("mistral", MISTRAL), ("hermes", TINY_CHAT_TEMPLATE),
+                               (None, plain)]:
+        tokenizer.chat_template = template
+        assert template_call_format(tokenizer) == expected
+
+
+ANSWERS = [  # (format, answer, content, calls)
+    ("llama3_json", '{"name": "f", "parameters": {"x": 1}}', None, [("f", '{"x": 1}')]),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}; {"name": "g", "parameters": {"q": "a;b"}}',
+     None, [("f", "{}"), ("g", '{"q": "a;b"}')]),
+    ("llama3_json", "It is {sunny} today.", "It is {sunny} today.", []),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": [1, 2]}}, {"name": "g", "arguments": {}}]',
+     None, [("f", '{"x": [1, 2]}'), ("g", "{}")]),
+    ("mistral", ' [{"name": "f", "arguments": {"x": "]"}}]', None, [("f", '{"x": "]"}')]),  # the tag a special token
+    ("mistral", "[1] It is sunny.", "[1] It is sunny.", []),
+]
+
+
+@pytest.mark.parametrize("call_format,answer,content,calls", ANSWERS)
+def test_streamed_in_any_split_the_calls_are_the_whole_answers(call_format, answer, content, calls):
+    whole = split_tool_calls(answer, call_format)
+    assert (whole[0], [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]]) == (content, calls)
+    for cut in range(len(answer) + 1):
+        parser = JsonCallsParser(call_format)
+        events = parser.feed(answer[:cut]) + parser.feed(answer[cut:]) + parser.finish()
+        text = "".join(getattr(e, "text", "") for e in events if type(e).__name__ == "ContentDelta")
+        args = [e.text for e in events if type(e).__name__ == "ArgumentsDelta"]
+        assert (text or None, args) == (content, [a for _, a in calls]), cut
+
+
+def test_a_call_cut_off_is_neither_content_nor_a_call():
+    assert split_tool_calls('{"name": "f", "parameters": {"x": ', "llama3_json") == (None, [])
+    assert split_tool_calls('[TOOL_CALLS][{"name": "f", "arg', "mistral") == (None, [])
+
+
+@pytest.fixture(scope="module")
+def family_parts():
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIALS})
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    target, _ = tiny_pair("qwen2", 1, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=None,
+                          max_position_embeddings=2048)
+    return target, noisy_twin(target), tokenizer
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def family(request, serve, family_parts):
+    target, draft, tokenizer = family_parts
+    own = copy.deepcopy(tokenizer)
+    own.chat_template = TEMPLATES[request.param]
+    config = EngineConfig(dtype="float32", num_blocks=512, block_size=8, num_speculative_tokens=4, max_num_seqs=8,
+                          adaptive_k=False, max_num_batched_tokens=256)
+    with serve(Engine.from_models(config, target, draft, own)) as srv, \
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
+        yield request.param, client
+
+
+def _ask(client, stream: bool, **kwargs):
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
+                  parallel_tool_calls=False) | kwargs
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        return choice.finish_reason, [(c.id, c.function.name, c.function.arguments)
+                                      for c in choice.message.tool_calls or []], choice.message.content
+    calls, finish, content = [], None, ""
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            if call.index == len(calls):
+                calls.append([call.id, call.function.name, ""])
+            calls[call.index][2] += call.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    return finish, [tuple(c) for c in calls], content or None
+
+
+def test_a_forced_call_parses_and_validates_whole_and_streamed(family):
+    call_format, client = family
+    for tool_choice, names in (("required", set(SCHEMAS)), (NAMED, {"search_code"})):
+        answers = [_ask(client, stream, tool_choice=tool_choice, extra_body={"cache_salt": f"{tool_choice}{stream}"})
+                   for stream in (False, True)]
+        for finish, calls, content in answers:
+            assert (finish, len(calls), content) == ("tool_calls", 1, None), (call_format, calls, content)
+            call_id, name, arguments = calls[0]
+            assert name in names
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+            assert len(call_id) == 9 if call_format == "mistral" else call_id.startswith("call_")
+        assert answers[0][1][0][1:] == answers[1][1][0][1:]
+
+
+def test_speculation_gives_the_target_only_call(family):
+    _, client = family
+    plain = _ask(client, False, tool_choice="required", extra_body={"num_speculative_tokens": 0, "cache_salt": "a"})
+    drafted = _ask(client, False, tool_choice="required", extra_body={"num_speculative_tokens": 4, "cache_salt": "b"})
+    assert plain[1][0][1:] == drafted[1][0][1:]
+
+
+def test_the_conversation_goes_on_through_the_template(family):
+    call_format, client = family
+    _, ((call_id, name, arguments),), _ = _ask(client, False, tool_choice="required")
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny"},
+    ]
+    answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=5, temperature=0)
+    assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
