@@ -10,9 +10,9 @@ A request is translated into a chat request (`to_chat`) and answered by the chat
   lead as a system message (not carried to later responses, as OpenAI's).
 - `previous_response_id`: the conversation of a stored response (its input and output) goes
   before this input; the prompt then starts as that one's did, so the prefix cache serves it.
-  Responses are stored (`store`, default true) in the server's memory, the last `STORED` of
-  them; an unknown id: 404 `previous_response_not_found`. With `--replicas`, each replica keeps
-  its own.
+  Responses are stored (`store`, default true) in the server's memory (with `--replicas`, the
+  ingress's), the last `STORED` of them within `STORED_CHARS` of conversation text; an unknown id:
+  404 `previous_response_not_found`.
 - `tools`: `{"type": "function", "name", "description", "parameters", "strict"}` (other tool
   types: 400); `tool_choice` `auto` / `none` / `required` / `{"type": "function", "name"}`;
   `parallel_tool_calls`. `text.format`: `text`, `json_object`, `json_schema` (constrained, as
@@ -32,6 +32,7 @@ A request is translated into a chat request (`to_chat`) and answered by the chat
 from __future__ import annotations
 
 import functools
+import json
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -49,7 +50,8 @@ from specdec.api.state import server_state
 from specdec.sequence import StepDelta
 
 router = APIRouter()
-STORED = 1024  # responses kept for previous_response_id, least recently used dropped
+STORED = 1024  # responses kept for previous_response_id, least recently used dropped first
+STORED_CHARS = 64 << 20  # ... and while their conversations hold more text than this
 _FLOAT = dict(allow_inf_nan=False)
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -95,6 +97,17 @@ class ResponsesRequest(RequestBody):
 class Stored:
     response: dict[str, Any]
     conversation: list[dict[str, Any]]  # chat messages: the input (without instructions) and the output
+    chars: int = 0  # the conversation's size as JSON text
+
+
+def _keep(store: OrderedDict[str, Stored], response_id: str, stored: Stored) -> None:
+    """Store a response; drop the least recently used beyond `STORED` of them or `STORED_CHARS`
+    (a chain of responses stores its whole conversation at each link)."""
+    stored.chars = len(json.dumps(stored.conversation, ensure_ascii=False))
+    store[response_id] = stored
+    total = sum(s.chars for s in store.values())
+    while len(store) > 1 and (len(store) > STORED or total > STORED_CHARS):
+        total -= store.popitem(last=False)[1].chars
 
 
 @router.post("/v1/responses", tags=["openai"], responses=ERROR_RESPONSES)
@@ -309,9 +322,7 @@ class ResponsesFormat(ChatFormat):
         response = self._response([self._item(b, done=True) for b in blocks],
                                   "incomplete" if incomplete else "completed", usage, incomplete)
         if self.store is not None:
-            self.store[self.id] = Stored(response, self.conversation + [_assistant(blocks)])
-            while len(self.store) > STORED:
-                self.store.popitem(last=False)
+            _keep(self.store, self.id, Stored(response, self.conversation + [_assistant(blocks)]))
         return response
 
     def _response(self, output: list[dict[str, Any]], status: str, usage: Usage | None,

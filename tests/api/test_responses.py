@@ -125,3 +125,18 @@ def test_reasoning_is_a_reasoning_item(serve_template):  # noqa: F811
             reasoning = "".join(e.delta for e in stream if e.type == "response.reasoning_text.delta")
             final = stream.get_final_response()
         assert reasoning == "The quick" and final.output_text == "fox"
+
+
+def test_the_store_is_bounded_by_count_and_text(monkeypatch):
+    from collections import OrderedDict
+
+    from specdec.api import responses
+
+    monkeypatch.setattr(responses, "STORED", 3)
+    monkeypatch.setattr(responses, "STORED_CHARS", 110)  # three of these (34 characters each)
+    store: OrderedDict = OrderedDict()
+    for i in range(5):
+        responses._keep(store, f"r{i}", responses.Stored({}, [{"role": "user", "content": "x"}]))
+    assert list(store) == ["r2", "r3", "r4"]
+    responses._keep(store, "big", responses.Stored({}, [{"role": "user", "content": "y" * 90}]))
+    assert list(store) == ["big"]  # the newest is kept even alone over the budget
