@@ -41,12 +41,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.api.answer import Block, BlockEvent, Blocks, whole_answer
-from specdec.api.completions import answer_chat
+from specdec.api.completions import answer_chat, chat_request
 from specdec.api.errors import APIError, anthropic_error_body
 from specdec.api.protocol import ChatFormat, ChoiceOutput, Usage, sse_data
+from specdec.api.reasoning import parses_reasoning
 from specdec.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, RequestBody
 from specdec.api.state import server_state
 from specdec.sequence import StepDelta
@@ -112,8 +113,6 @@ async def count_tokens(body: MessagesRequest, request: Request) -> dict[str, int
 
 
 def _thinks(state: Any) -> bool:
-    from specdec.api.reasoning import parses_reasoning
-
     return parses_reasoning(state.settings.reasoning_parser, state.tokenizer)
 
 
@@ -149,13 +148,7 @@ def to_chat(body: MessagesRequest, template: str, thinks: bool) -> tuple[ChatCom
     if output:
         name = sorted(output)[0]
         raise APIError(400, f"output_config.{name}: not supported", f"output_config.{name}", "unsupported_parameter")
-    try:
-        return ChatCompletionRequest.model_validate(chat), variables
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ()))
-        raise APIError(400, f"{param}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}", param,
-                       "invalid_value") from exc
+    return chat_request(chat), variables
 
 
 def _text(content: str | list[dict[str, Any]], param: str) -> str:

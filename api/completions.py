@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 from sse_starlette import EventSourceResponse
 
 from specdec.api.engine_loop import EngineDeadError, EngineInfo, GenerationRequest, RequestFailedError, RequestStream
@@ -43,6 +44,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     state = server_state(request)
     state.screen_fields(request, body)
     return await answer_chat(request, state, body, body.template_variables())
+
+
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request translates into; what it refuses is a 400 naming the
+    (chat) field."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err.get("loc", ()))
+        raise APIError(400, f"{param}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}", param,
+                       "invalid_value") from exc
 
 
 async def answer_chat(request: Request, state: ServerState, body: ChatCompletionRequest,

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from specdec.api.answer import Block, BlockEvent, Blocks, whole_answer
-from specdec.api.completions import answer_chat
+from specdec.api.completions import answer_chat, chat_request
 from specdec.api.errors import APIError
 from specdec.api.protocol import ChatFormat, ChoiceOutput, Usage, sse_data
 from specdec.api.schemas import ERROR_RESPONSES, ChatCompletionRequest, RequestBody
@@ -227,13 +227,7 @@ def to_chat(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> tuple
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
         variables.append(("reasoning.effort", "reasoning_effort", effort))
-    try:
-        return ChatCompletionRequest.model_validate(chat), variables
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ()))
-        raise APIError(400, f"{param}: {err.get('msg', 'invalid value').removeprefix('Value error, ')}", param,
-                       "invalid_value") from exc
+    return chat_request(chat), variables
 
 
 def _function(tool: dict[str, Any], param: str) -> dict[str, Any]:
