@@ -11,6 +11,7 @@ the same events fed at once, so a streamed answer and a whole one always agree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.api.reasoning import ReasoningParser
 from specdec.api.tool_calls import ArgumentsDelta, CallStart, ContentDelta, Event, finish_reason, tool_call_parser
@@ -27,12 +28,12 @@ AnswerEvent = ReasoningDelta | Event
 class AnswerParser:
     """Feeds on text pieces, returns `AnswerEvent`s (`reasoning`: split a `<think>` block out,
     `starts_in_reasoning` when the prompt left it open; `tool_calls`: parse calls in `call_format`
-    out of the content)."""
+    out of the content, `tool_schemas` the functions' parameters)."""
 
     def __init__(self, reasoning: bool, starts_in_reasoning: bool, tool_calls: bool,
-                 call_format: str = "hermes") -> None:
+                 call_format: str = "hermes", tool_schemas: dict[str, Any] | None = None) -> None:
         self._reasoning = ReasoningParser(starts_in_reasoning) if reasoning else None
-        self.tools = tool_call_parser(call_format) if tool_calls else None
+        self.tools = tool_call_parser(call_format, tool_schemas) if tool_calls else None
         self._calls = 0  # calls started
 
     def feed(self, text: str) -> list[AnswerEvent]:

@@ -73,7 +73,8 @@ async def answer_chat(request: Request, state: ServerState, body: ChatCompletion
                                                state.chat_prompt_text(messages, tools, variables))
     fmt = make_format(state.settings.model_name, body.include_usage, body.num_choices, _token_texts(state, body),
                       parse_tool_calls=tool_use.active, parse_reasoning=reasoning, starts_in_reasoning=starts,
-                      tool_format=(state.tool_call_format or "hermes") if tool_use.active else "hermes")
+                      tool_format=(state.tool_call_format or "hermes") if tool_use.active else "hermes",
+                      tool_schemas={t.function.name: t.function.parameters or {} for t in tool_use.tools})
     return await _generate(request, state, body, prompt_ids, fmt, "messages", tool_grammar)
 
 

@@ -225,6 +225,7 @@ class ChatFormat(ResponseFormat):
     parse_reasoning: bool = False
     starts_in_reasoning: bool = False
     tool_format: str = "hermes"  # the calls' format (`specdec.tool_grammar.CALL_FORMATS`)
+    tool_schemas: dict[str, Any] | None = None  # function name -> parameters (Qwen3-Coder's values are read by them)
 
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
@@ -235,7 +236,8 @@ class ChatFormat(ResponseFormat):
         self._answers = ([self.answer_parser() for _ in range(self.n)] if self.parse_tool_calls or self.parse_reasoning else None)
 
     def answer_parser(self) -> AnswerParser:
-        return AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls, self.tool_format)
+        return AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls, self.tool_format,
+                            self.tool_schemas)
 
     def delta_chunks(self, index: int, delta: StepDelta) -> list[dict[str, Any]]:
         if self._answers is None:
@@ -274,7 +276,7 @@ class ChatFormat(ResponseFormat):
         if self.parse_reasoning:
             message["reasoning_content"], message["content"] = split_reasoning(choice.text, self.starts_in_reasoning)
         if self.parse_tool_calls:
-            message["content"], calls = split_tool_calls(message["content"], self.tool_format)
+            message["content"], calls = split_tool_calls(message["content"], self.tool_format, self.tool_schemas)
             if calls:
                 message["tool_calls"] = calls
                 reason = "tool_calls" if reason == "stop" else reason

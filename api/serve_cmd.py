@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "template writes <think>), none, deepseek_r1 (the answer starts in the reasoning), qwen3")
     p.add_argument("--tool-call-parser", default="auto", choices=TOOL_CALL_PARSERS,
                    help="the format tool calls are constrained to and parsed in: auto (the one the chat template "
-                        "writes), hermes (<tool_call>), llama3_json, mistral ([TOOL_CALLS])")
+                        "writes), hermes (<tool_call>), qwen3_coder (<function=...> XML), llama3_json, mistral ([TOOL_CALLS])")
     p.add_argument("--strict-fields", action="store_true",
                    help="refuse request fields this server does not know (400 unknown_parameter) instead of "
                         "answering with a Warning header naming them (vLLM's default); fields other servers "

@@ -172,7 +172,7 @@ class ServerState:
         call_format = self.tool_call_format
         if call_format is None:
             raise APIError(400, "this model's chat template does not offer tools in a format specdec parses "
-                           "(Hermes / Qwen <tool_call>, Mistral [TOOL_CALLS], Llama 3.1 JSON); "
+                           "(Hermes / Qwen <tool_call>, Qwen3-Coder XML, Mistral [TOOL_CALLS], Llama 3.1 JSON); "
                            "--tool-call-parser names one", "tools", "invalid_value")
         tokenizer = self.tokenizer
         return tool_use.structured(tool_tags_are_tokens(tokenizer), call_format,

@@ -261,14 +261,75 @@ class JsonCallsParser:
             self.num_complete += 1
 
 
-def tool_call_parser(call_format: str = "hermes") -> ToolCallParser | JsonCallsParser:
-    return ToolCallParser() if call_format == "hermes" else JsonCallsParser(call_format)
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>\n(.*?)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n(.*?)\n</parameter>\n?", re.DOTALL)
 
 
-def split_tool_calls(text: str, call_format: str = "hermes") -> tuple[str | None, list[dict[str, Any]]]:
+class XmlCallParser(ToolCallParser):
+    """Qwen3-Coder's calls, in `<tool_call>` blocks as Hermes': `<function=f>` and one
+    `<parameter=k>\\nvalue\\n</parameter>` per argument. A value is the argument's text where its
+    schema (`schemas`: function name -> parameters) says string, else JSON (text if it does not
+    parse); `arguments` is their JSON object. A call's events come once its block closed.
+
+    >>> p = XmlCallParser({"f": {"properties": {"city": {"type": "string"}, "n": {"type": "integer"}}}})
+    >>> p.feed("<tool_call>\\n<function=f>\\n<parameter=city>\\n42\\n</parameter>\\n") + p.feed(
+    ...     "<parameter=n>\\n42\\n</parameter>\\n</function>\\n</tool_call>") + p.finish()
+    [CallStart(index=0, id='call_...', name='f'), ArgumentsDelta(index=0, text='{"city": "42", "n": 42}')]
+    """
+
+    def __init__(self, schemas: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self._at_start = False  # no fenced JSON calls in this format
+        self._schemas = schemas or {}
+
+    def _scan_call(self, events: list[Event]) -> bool:
+        close = self._body.find(CLOSE_TAG)
+        if close < 0:
+            return False
+        body, self._text, self._after_call = self._body[:close], self._body[close + len(CLOSE_TAG):], True
+        self._body = None
+        function = _XML_FUNCTION.fullmatch(body)
+        if function is None:  # not in this format (only without a constraint): the text as it was
+            events.append(ContentDelta(OPEN_TAG + body + CLOSE_TAG))
+            return True
+        name = function.group(1)
+        properties = (self._schemas.get(name) or {}).get("properties") or {}
+        arguments = {key: _xml_argument(value, properties.get(key))
+                     for key, value in _XML_PARAMETER.findall(function.group(2))}
+        events.append(CallStart(self.num_calls, new_call_id(), name))
+        events.append(ArgumentsDelta(self.num_calls, json.dumps(arguments, ensure_ascii=False)))
+        self.num_calls += 1
+        self.num_complete += 1
+        return True
+
+
+def _xml_argument(value: str, schema: Any) -> Any:
+    strings = isinstance(schema, dict) and (schema.get("type") == "string" or (
+        bool(schema.get("enum")) and all(isinstance(v, str) for v in schema["enum"])))
+    if strings:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def tool_call_parser(call_format: str = "hermes",
+                     schemas: dict[str, Any] | None = None) -> ToolCallParser | JsonCallsParser:
+    """The parser of `call_format`'s calls (`schemas`: each function's parameters, which Qwen3-Coder's
+    untyped values are read by)."""
+    if call_format == "hermes":
+        return ToolCallParser()
+    if call_format == "qwen3_coder":
+        return XmlCallParser(schemas)
+    return JsonCallsParser(call_format)
+
+
+def split_tool_calls(text: str, call_format: str = "hermes",
+                     schemas: dict[str, Any] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """(content or None, tool_calls as OpenAI returns them) of a whole answer: the complete calls
     only; an unfinished one (cut off by max_tokens) is in neither."""
-    parser = tool_call_parser(call_format)
+    parser = tool_call_parser(call_format, schemas)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls: list[dict[str, Any]] = []

@@ -61,13 +61,14 @@ class ToolGrammarSpec:
 #   hermes       <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>   (Qwen2.5, Qwen3, Hermes)
 #   llama3_json  {"name": "f", "parameters": {...}}; {"name": ...}            (Llama 3.1-3.3's custom tools)
 #   mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]         (Mistral v0.3 and later JSON lists)
-CALL_FORMATS = ("hermes", "llama3_json", "mistral")
+#   qwen3_coder  <tool_call>\n<function=f>\n<parameter=k>\nvalue\n</parameter>\n</function>\n</tool_call>
+CALL_FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 MISTRAL_TAG = "[TOOL_CALLS]"
 
 
 def tool_call_grammar(spec: ToolGrammarSpec) -> str:
     """The Lark grammar of `spec`, in its call format."""
-    if spec.call_format == "hermes":
+    if spec.call_format in ("hermes", "qwen3_coder"):
         return _hermes_grammar(spec)
     key = "parameters" if spec.call_format == "llama3_json" else "arguments"
     if spec.call_format == "llama3_json":  # calls only at the answer's start: text may not open with "{"
@@ -114,17 +115,73 @@ def _hermes_grammar(spec: ToolGrammarSpec) -> str:
         open_, close = json.dumps(OPEN_TAG), json.dumps(CLOSE_TAG)
         head = "head"
     more = f' ("\\n" {open_} body)*' if spec.parallel else ""
+    xml = spec.call_format == "qwen3_coder"
     if spec.free_text:
-        lines = [f"start: TEXT | {head} body{more} | fence_open fenced"]
+        lines = [f"start: TEXT | {head} body{more}" + ("" if xml else " | fence_open fenced")]
         if not spec.tag_tokens:  # the free text ends at the first "<tool_call>"
             lines.append(f"head[lazy]: TEXT {open_}")
-        lines += [f"TEXT: /(.|\\n)*/ & ~/{FENCED_CALL}(.|\\n)*/", f"fence_open[lazy]: /{FENCED_CALL}/"]
-        lines += _fenced_calls(spec)
+        if xml:
+            lines.append("TEXT: /(.|\\n)*/")
+        else:
+            lines += [f"TEXT: /(.|\\n)*/ & ~/{FENCED_CALL}(.|\\n)*/", f"fence_open[lazy]: /{FENCED_CALL}/"]
+            lines += _fenced_calls(spec)
     else:
         lines = [f"start: {open_} body{more}"]
     lines.append(f'body: "\\n" fn "\\n" {close}')
-    lines += _functions(spec, "arguments")
+    lines += _xml_functions(spec) if xml else _functions(spec, "arguments")
     return "%llguidance {}\n" + "\n".join(lines) + "\n"
+
+
+def _xml_functions(spec: ToolGrammarSpec) -> list[str]:
+    """Qwen3-Coder's calls: `<function=f>` then each argument as `<parameter=k>\\nvalue\\n</parameter>`,
+    in the schema's property order (the required ones always), a string's value as is, any other's as
+    JSON (`%json` of its schema: an integer's, a number's or a boolean's JSON text is the value)."""
+    lines = ["fn: " + " | ".join(f"fn_{i}" for i in range(len(spec.functions)))]
+    for i, (name, params) in enumerate(spec.functions):
+        schema = json.loads(params)
+        properties = schema.get("properties") or {} if isinstance(schema, dict) else {}
+        required = set(schema.get("required") or []) if isinstance(schema, dict) else set()
+        parts = []
+        for j, (key, sub) in enumerate(properties.items()):
+            rule = f"p_{i}_{j}"
+            opening = json.dumps(f"<parameter={key}>" + "\n")
+            if _is_string(sub):  # value and closing tag one lazy lexeme: it ends at the first closing tag
+                lines.append(f"{rule}: {opening} v_{i}_{j}")
+                lines.append(f"v_{i}_{j}[lazy]: {_xml_string(sub)}")
+            else:
+                lines.append(f'{rule}: {opening} v_{i}_{j} "\\n</parameter>\\n"')
+                lines.append(f"v_{i}_{j}: %json {json.dumps({**sub, 'x-guidance': JSON_OPTIONS})}")
+            parts.append(rule if key in required else f"{rule}?")
+        body = " ".join(parts)
+        opening = json.dumps(f"<function={name}>" + "\n")
+        lines.append(f'fn_{i}: {opening} {body} "</function>"')
+    return lines
+
+
+def _is_string(schema: Any) -> bool:
+    """A plain string (or an enum of strings): written as is. A `pattern` or `format` one is JSON."""
+    if not isinstance(schema, dict) or "pattern" in schema or "format" in schema:
+        return False
+    if "enum" in schema:
+        return bool(schema["enum"]) and all(isinstance(v, str) for v in schema["enum"])
+    return schema.get("type") == "string"
+
+
+def _regex_literal(text: str) -> str:
+    """`text` matched literally in a `/.../` regex of llguidance's Lark."""
+    return "".join("\\" + ch if ch in "\\.^$|?*+()[]{}/-&~#" else ch for ch in text)
+
+
+def _xml_string(schema: dict[str, Any]) -> str:
+    """A string argument's value and the closing `\\n</parameter>\\n`, as one regex: its enum's
+    values, or text within its length bounds."""
+    close = r"\n<\/parameter>\n"
+    if "enum" in schema:
+        return "/(" + "|".join(_regex_literal(v) for v in schema["enum"]) + ")" + close + "/"
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    bound = f"{{{low},{int(high)}}}" if high is not None else (f"{{{low},}}" if low else "*")
+    return f"/(.|\\n){bound}{close}/"
+
 
 
 def _fenced_calls(spec: ToolGrammarSpec) -> list[str]:

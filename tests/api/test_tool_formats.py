@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 
-from specdec.api.tool_calls import JsonCallsParser, split_tool_calls
+from specdec.api.tool_calls import split_tool_calls, tool_call_parser
 from specdec.api.tools import template_call_format
 from specdec.config import EngineConfig
 from specdec.engine import Engine
@@ -64,7 +64,32 @@ MISTRAL = (
     "\"call_id\": \"{{ message.tool_call_id }}\"}[/TOOL_RESULTS]"
     "{%- else %}{{ message['content'] }}<|im_end|>{%- endif %}{%- endfor %}"
 )
-TEMPLATES = {"llama3_json": LLAMA31, "mistral": MISTRAL}
+QWEN3_CODER = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>"
+    "{%- for tool in tools %}{%- set tool = tool.function if tool.function is defined else tool %}"
+    "{{- '\n<function>\n<name>' + tool.name + '</name>\n<parameters>' }}"
+    "{%- for param_name, param_fields in tool.parameters.properties|items %}"
+    "{{- '\n<parameter>\n<name>' + param_name + '</name>' }}"
+    "{%- if param_fields.type is defined %}{{- '\n<type>' + (param_fields.type | string) + '</type>' }}{%- endif %}"
+    "{{- '\n</parameter>' }}{%- endfor %}{{- '\n</parameters>\n</function>' }}{%- endfor %}"
+    "{{- '\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "</function>\n</tool_call><|im_end|>\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'system' %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\n' + (message.content or '') }}"
+    "{%- for tool_call in message.tool_calls or [] %}{%- set tool_call = tool_call.function %}"
+    "{{- '\n<tool_call>\n<function=' + tool_call.name + '>\n' }}"
+    "{%- for args_name, args_value in tool_call.arguments|items %}{{- '<parameter=' + args_name + '>\n' }}"
+    "{%- set args_value = args_value if args_value is string else args_value | tojson %}"
+    "{{- args_value + '\n</parameter>\n' }}{%- endfor %}{{- '</function>\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+TEMPLATES = {"llama3_json": LLAMA31, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER}
 SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>", "[TOOL_CALLS]",
             "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[INST]", "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -74,7 +99,8 @@ NAMED = {"type": "function", "function": {"name": "search_code"}}
 def test_the_template_picks_the_format():
     tokenizer = tiny_tokenizer()
     plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
-    for expected, template in [("llama3_json", LLAMA31), ("mistral", MISTRAL), ("hermes", TINY_CHAT_TEMPLATE),
+    for expected, template in [("llama3_json", LLAMA31), ("mistral", MISTRAL), ("qwen3_coder", QWEN3_CODER),
+                               ("hermes", TINY_CHAT_TEMPLATE),
                                (None, plain)]:
         tokenizer.chat_template = template
         assert template_call_format(tokenizer) == expected
@@ -89,6 +115,10 @@ ANSWERS = [  # (format, answer, content, calls)
      None, [("f", '{"x": [1, 2]}'), ("g", "{}")]),
     ("mistral", ' [{"name": "f", "arguments": {"x": "]"}}]', None, [("f", '{"x": "]"}')]),  # the tag a special token
     ("mistral", "[1] It is sunny.", "[1] It is sunny.", []),
+    ("qwen3_coder", "Sure.\n<tool_call>\n<function=f>\n<parameter=city>\nNew\nYork\n</parameter>\n"
+     "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>", "Sure.", [("f", '{"city": "New\\nYork", "n": 3}')]),
+    ("qwen3_coder", "<tool_call>\n<function=g>\n</function>\n</tool_call>\n<tool_call>\n<function=f>\n"
+     "<parameter=q>\n</parameter>\n</parameter>\n</function>\n</tool_call>", None, [("g", "{}"), ("f", '{"q": "</parameter>"}')]),
 ]
 
 
@@ -97,7 +127,7 @@ def test_streamed_in_any_split_the_calls_are_the_whole_answers(call_format, answ
     whole = split_tool_calls(answer, call_format)
     assert (whole[0], [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]]) == (content, calls)
     for cut in range(len(answer) + 1):
-        parser = JsonCallsParser(call_format)
+        parser = tool_call_parser(call_format)
         events = parser.feed(answer[:cut]) + parser.feed(answer[cut:]) + parser.finish()
         text = "".join(getattr(e, "text", "") for e in events if type(e).__name__ == "ContentDelta")
         args = [e.text for e in events if type(e).__name__ == "ArgumentsDelta"]
@@ -107,6 +137,15 @@ def test_streamed_in_any_split_the_calls_are_the_whole_answers(call_format, answ
 def test_a_call_cut_off_is_neither_content_nor_a_call():
     assert split_tool_calls('{"name": "f", "parameters": {"x": ', "llama3_json") == (None, [])
     assert split_tool_calls('[TOOL_CALLS][{"name": "f", "arg', "mistral") == (None, [])
+    assert split_tool_calls("<tool_call>\n<function=f>\n<param", "qwen3_coder") == (None, [])
+
+
+def test_qwen3_coder_values_are_read_by_their_schema():
+    schemas = {"f": {"properties": {"code": {"type": "string"}, "n": {"type": "integer"}, "tags": {"type": "array"}}}}
+    answer = ("<tool_call>\n<function=f>\n<parameter=code>\n42\n</parameter>\n<parameter=n>\n42\n</parameter>\n"
+              "<parameter=tags>\n[\"a\"]\n</parameter>\n</function>\n</tool_call>")
+    _, (call,) = split_tool_calls(answer, "qwen3_coder", schemas)
+    assert json.loads(call["function"]["arguments"]) == {"code": "42", "n": 42, "tags": ["a"]}
 
 
 @pytest.fixture(scope="module")
