@@ -142,9 +142,11 @@ def to_chat(body: MessagesRequest, template: str, thinks: bool) -> tuple[ChatCom
             raise APIError(400, "output_config.format: {\"type\": \"json_schema\", \"schema\": {...}} expected",
                            "output_config.format", "invalid_value")
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
-    if output.get("effort") is not None:
-        variables.append(("output_config.effort", "reasoning_effort", output.pop("effort")))
-    output.pop("effort", None)
+    effort = output.pop("effort", None)
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise APIError(400, "output_config.effort: a string expected", "output_config.effort", "invalid_value")
+        variables.append(("output_config.effort", "reasoning_effort", effort))
     if output:
         name = sorted(output)[0]
         raise APIError(400, f"output_config.{name}: not supported", f"output_config.{name}", "unsupported_parameter")

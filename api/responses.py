@@ -225,6 +225,8 @@ def to_chat(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> tuple
         chat["response_format"] = _response_format(fmt)
     variables = []
     effort = (body.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise APIError(400, "reasoning.effort: a string expected", "reasoning.effort", "invalid_value")
     if effort is not None:
         variables.append(("reasoning.effort", "reasoning_effort", effort))
     return chat_request(chat), variables
@@ -249,7 +251,10 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
                    "or a function)", "tool_choice", "invalid_value")
 
 
-def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+def _response_format(fmt: Any) -> dict[str, Any]:
+    if not isinstance(fmt, dict):
+        raise APIError(400, "text.format: an object expected ({\"type\": \"text\" | \"json_object\" | "
+                       "\"json_schema\", ...})", "text.format", "invalid_value")
     if fmt.get("type") == "json_schema":
         schema = {k: fmt[k] for k in ("name", "schema", "description", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}

@@ -110,7 +110,8 @@ def test_unsupported_inputs_are_refused_by_name(client):
     for kwargs, param in ((dict(tools=[{"type": "web_search"}]), "tools.0.type"),
                           (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
                            "input.0.content.0"),
-                          (dict(background=True), "background")):
+                          (dict(background=True), "background"), (dict(text={"format": "json"}), "text.format"),
+                          (dict(reasoning={"effort": 3}), "reasoning.effort")):
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(**({"model": MODEL, "input": "hi"} | kwargs))
         assert err.value.body["param"] == param
