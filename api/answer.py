@@ -34,7 +34,6 @@ class AnswerParser:
                  call_format: str = "hermes", tool_schemas: dict[str, Any] | None = None) -> None:
         self._reasoning = ReasoningParser(starts_in_reasoning) if reasoning else None
         self.tools = tool_call_parser(call_format, tool_schemas) if tool_calls else None
-        self._calls = 0  # calls started
 
     def feed(self, text: str) -> list[AnswerEvent]:
         return self._events(*self._reasoning.feed(text)) if self._reasoning else self._events("", text)
@@ -50,15 +49,14 @@ class AnswerParser:
     @property
     def cut_call(self) -> bool:
         """The answer ended inside a call whose name was already out (cut off by max_tokens)."""
-        return self.tools is not None and self.tools.truncated_call is not None and self._calls > self.tools.num_complete
+        tools = self.tools
+        return tools is not None and tools.truncated_call is not None and tools.num_calls > tools.num_complete
 
     def _events(self, reasoning: str, content: str) -> list[AnswerEvent]:
         events: list[AnswerEvent] = [ReasoningDelta(reasoning)] if reasoning else []
         if self.tools is None:
             return events + ([ContentDelta(content)] if content else [])
-        parsed = self.tools.feed(content)
-        self._calls += sum(isinstance(e, CallStart) for e in parsed)
-        return events + parsed
+        return events + self.tools.feed(content)
 
 
 @dataclass

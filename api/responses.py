@@ -119,7 +119,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
         value = getattr(body, name)
         if value not in (None, off):
             raise APIError(400, f"{name}: not supported", name, "unsupported_parameter")
-    store = _store(state)
+    store = state.stored_responses
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = store.get(body.previous_response_id)
@@ -137,14 +137,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Any:
 
 @router.get("/v1/responses/{response_id}", tags=["openai"], responses=ERROR_RESPONSES)
 async def get_response(response_id: str, request: Request) -> Any:
-    stored = _store(server_state(request)).get(response_id)
+    stored = server_state(request).stored_responses.get(response_id)
     if stored is None:
         raise APIError(404, f"Response with id {response_id!r} not found.", "response_id", "not_found")
     return stored.response
-
-
-def _store(state: Any) -> OrderedDict[str, Stored]:
-    return state.stored_responses
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -14,12 +14,10 @@ import httpx
 import jsonschema
 import pytest
 
-from specdec.config import EngineConfig
-from specdec.engine import Engine
 
 from .conftest import MODEL
 from .test_reasoning import DEEPSEEK_R1, QWEN3, chain_parts, serve_template  # noqa: F401 - fixtures
-from .test_tools import WEATHER, parts  # noqa: F401 - fixture
+from .test_tools import WEATHER, parts, tool_engine  # noqa: F401 - fixture
 
 TOOLS = [{"name": "get_weather", "description": "the weather in a city", "input_schema": WEATHER}]
 HI = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -27,10 +25,7 @@ HI = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(serve, parts):  # noqa: F811
-    target, draft, tokenizer = parts
-    config = EngineConfig(dtype="float32", num_blocks=512, block_size=8, num_speculative_tokens=4, max_num_seqs=8,
-                          adaptive_k=False, max_num_batched_tokens=256)
-    with serve(Engine.from_models(config, target, draft, tokenizer), api_key="sk-test") as srv:
+    with serve(tool_engine(*parts), api_key="sk-test") as srv:
         yield srv
 
 

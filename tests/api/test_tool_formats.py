@@ -17,12 +17,10 @@ import pytest
 
 from specdec.api.tool_calls import split_tool_calls, tool_call_parser
 from specdec.api.tools import template_call_format
-from specdec.config import EngineConfig
-from specdec.engine import Engine
 from specdec.testing import TINY_CHAT_TEMPLATE, noisy_twin, tiny_pair, tiny_tokenizer
 
 from .conftest import MODEL
-from .test_tools import SCHEMAS, TOOLS
+from .test_tools import SCHEMAS, TOOLS, tool_engine
 
 LLAMA31 = (
     "{{- bos_token if bos_token else '' }}"
@@ -163,9 +161,7 @@ def family(request, serve, family_parts):
     target, draft, tokenizer = family_parts
     own = copy.deepcopy(tokenizer)
     own.chat_template = TEMPLATES[request.param]
-    config = EngineConfig(dtype="float32", num_blocks=512, block_size=8, num_speculative_tokens=4, max_num_seqs=8,
-                          adaptive_k=False, max_num_batched_tokens=256)
-    with serve(Engine.from_models(config, target, draft, own)) as srv, \
+    with serve(tool_engine(target, draft, own)) as srv, \
             openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
         yield request.param, client
 

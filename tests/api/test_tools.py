@@ -40,15 +40,20 @@ def parts():
     return target, noisy_twin(target), tokenizer
 
 
-@pytest.fixture(scope="module")
-def tool_server(serve, parts):
-    target, draft, tokenizer = parts
+def tool_engine(target, draft, tokenizer) -> Engine:
+    """The engine the tool-calling servers run (here, and for /v1/responses, /v1/messages and the
+    other call formats)."""
     # Seeded answers reproduce only at a fixed k and fixed prefill chunks: chunks sized from
     # measured step times (the default) split an n > 1 sibling's prompt tail by the machine's
     # load, which rounds differently on the fp32 torch path (seen in CI at temperature 1).
     config = EngineConfig(dtype="float32", num_blocks=512, block_size=8, num_speculative_tokens=4, max_num_seqs=8,
                           adaptive_k=False, max_num_batched_tokens=256)
-    with serve(Engine.from_models(config, target, draft, tokenizer)) as srv:
+    return Engine.from_models(config, target, draft, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tool_server(serve, parts):
+    with serve(tool_engine(*parts)) as srv:
         yield srv
 
 
