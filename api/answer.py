@@ -13,14 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.api.reasoning import ReasoningParser
+from specdec.api.harmony import HarmonyParser
+from specdec.api.reasoning import ReasoningDelta, ReasoningParser
 from specdec.api.tool_calls import ArgumentsDelta, CallStart, ContentDelta, Event, finish_reason, tool_call_parser
-
-
-@dataclass
-class ReasoningDelta:
-    text: str
-
 
 AnswerEvent = ReasoningDelta | Event
 
@@ -28,17 +23,24 @@ AnswerEvent = ReasoningDelta | Event
 class AnswerParser:
     """Feeds on text pieces, returns `AnswerEvent`s (`reasoning`: split a `<think>` block out,
     `starts_in_reasoning` when the prompt left it open; `tool_calls`: parse calls in `call_format`
-    out of the content, `tool_schemas` the functions' parameters)."""
+    out of the content, `tool_schemas` the functions' parameters; `harmony`: a gpt-oss answer, whose
+    messages give reasoning, content and calls at once, `HarmonyParser`)."""
 
     def __init__(self, reasoning: bool, starts_in_reasoning: bool, tool_calls: bool,
-                 call_format: str = "hermes", tool_schemas: dict[str, Any] | None = None) -> None:
-        self._reasoning = ReasoningParser(starts_in_reasoning) if reasoning else None
-        self.tools = tool_call_parser(call_format, tool_schemas) if tool_calls else None
+                 call_format: str = "hermes", tool_schemas: dict[str, Any] | None = None,
+                 harmony: bool = False) -> None:
+        self._harmony = HarmonyParser() if harmony else None
+        self._reasoning = ReasoningParser(starts_in_reasoning) if reasoning and not harmony else None
+        self.tools = self._harmony if harmony else (tool_call_parser(call_format, tool_schemas) if tool_calls else None)
 
     def feed(self, text: str) -> list[AnswerEvent]:
+        if self._harmony is not None:
+            return self._harmony.feed(text)
         return self._events(*self._reasoning.feed(text)) if self._reasoning else self._events("", text)
 
     def finish(self) -> list[AnswerEvent]:
+        if self._harmony is not None:
+            return self._harmony.finish()
         events = self._events(*self._reasoning.finish()) if self._reasoning else []
         return events + (self.tools.finish() if self.tools else [])
 

@@ -158,8 +158,20 @@ class ChatSession:
             self.messages.pop()  # nothing was said: drop the question too, so roles still alternate
         else:
             # A partial answer stays, as shown: the next turn continues from what the user saw.
-            self.messages.append({"role": "assistant", "content": answer})
+            self.messages.append({"role": "assistant", "content": _history_text(self.engine.tokenizer, answer)})
         return Turn(prompt_ids, answer, num_tokens, num_cached, INTERRUPTED if interrupted else reason)
+
+
+def _history_text(tokenizer: Any, answer: str) -> str:
+    """What the conversation keeps of an answer: gpt-oss's final message (its template writes an
+    earlier answer into a final-channel message and leaves its reasoning out); others' as it is."""
+    from specdec.api.answer import AnswerParser, whole_answer
+    from specdec.api.reasoning import is_harmony
+
+    if not is_harmony(tokenizer):
+        return answer
+    return "".join(b.text for b in whole_answer(AnswerParser(False, False, False, harmony=True), answer)
+                   if b.kind == "text")
 
 
 class InterruptFlag:
@@ -242,12 +254,14 @@ def answer(
     """One turn, streamed to `out` with a dim statistics line on `err`; None if the turn could not
     run (the reason is printed and the chat goes on)."""
     from specdec.api.generate_cmd import StreamPrinter
+    from specdec.api.reasoning import is_harmony
 
     printers: list[StreamPrinter] = []
+    harmony = is_harmony(session.engine.tokenizer)
 
     def start(prompt_ids: list[int]) -> None:
         printers.append(StreamPrinter(out, err, 1, colors, stats, num_prompt_tokens=len(prompt_ids),
-                                      stats_style="dim", always_show_cached=True))
+                                      stats_style="dim", always_show_cached=True, harmony=harmony))
 
     try:
         with InterruptFlag() as flag:

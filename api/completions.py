@@ -25,7 +25,7 @@ from specdec.api.engine_loop import EngineDeadError, EngineInfo, GenerationReque
 from specdec.api.errors import APIError
 from specdec.api.logprobs import TokenTexts
 from specdec.api.protocol import ChatFormat, ChoiceOutput, CompletionFormat, ResponseFormat, Usage
-from specdec.api.reasoning import parses_reasoning, starts_in_reasoning
+from specdec.api.reasoning import is_harmony, parses_reasoning, starts_in_reasoning
 from specdec.api.schemas import (
     ERROR_RESPONSES, ChatCompletionRequest, CompletionRequest, FieldError, GenerationFields,
 )
@@ -74,7 +74,8 @@ async def answer_chat(request: Request, state: ServerState, body: ChatCompletion
     fmt = make_format(state.settings.model_name, body.include_usage, body.num_choices, _token_texts(state, body),
                       parse_tool_calls=tool_use.active, parse_reasoning=reasoning, starts_in_reasoning=starts,
                       tool_format=(state.tool_call_format or "hermes") if tool_use.active else "hermes",
-                      tool_schemas={t.function.name: t.function.parameters or {} for t in tool_use.tools})
+                      tool_schemas={t.function.name: t.function.parameters or {} for t in tool_use.tools},
+                      harmony=is_harmony(state.tokenizer))
     return await _generate(request, state, body, prompt_ids, fmt, "messages", tool_grammar)
 
 

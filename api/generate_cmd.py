@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.api.reasoning import is_harmony
 from specdec.sampling_params import StructuredSpec
 from specdec.sequence import StepDelta, TokenLogprobs, TokenOrigin
 from specdec.verify import AcceptanceStats
@@ -89,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{engine.memory_line()}[/dim]")
     out = Console(highlight=False, soft_wrap=True)
     printer = StreamPrinter(out, err, len(prompt_ids), args.show_acceptance, not args.quiet_stats,
-                            num_prompt_tokens=sum(len(ids) for ids in prompt_ids))
+                            num_prompt_tokens=sum(len(ids) for ids in prompt_ids),
+                            harmony=chat and is_harmony(engine.tokenizer))
     t_start = time.perf_counter()
     logprobs: dict[str, list[TokenLogprobs]] = {}
     try:
@@ -190,6 +192,40 @@ def stats_line(
     return line
 
 
+class HarmonyView:
+    """A gpt-oss answer as the terminal shows it, piece by piece: its messages' markers read
+    (`specdec.api.harmony`), each block (the reasoning, shown dim; the answer; a call, as
+    `→ name(arguments)`) after a blank line."""
+
+    def __init__(self) -> None:
+        from specdec.api.harmony import HarmonyParser
+
+        self._parser = HarmonyParser()
+        self._block = ""  # the block shown last: "reasoning", "text" or "call"
+
+    def feed(self, piece: str) -> list[tuple[str, str]]:
+        """(text, "reasoning" or "text") parts of `piece`."""
+        return self._parts(self._parser.feed(piece))
+
+    def finish(self) -> list[tuple[str, str]]:
+        return self._parts(self._parser.finish()) + ([(")", "text")] if self._block == "call" else [])
+
+    def _parts(self, events: list) -> list[tuple[str, str]]:
+        from specdec.api.reasoning import ReasoningDelta
+        from specdec.api.tool_calls import ArgumentsDelta, CallStart
+
+        parts = []
+        for event in events:
+            starts = isinstance(event, CallStart)
+            block = "call" if starts or isinstance(event, ArgumentsDelta) else (
+                "reasoning" if isinstance(event, ReasoningDelta) else "text")
+            if self._block and (starts or block != self._block):
+                parts.append((")\n\n" if self._block == "call" else "\n\n", "text"))
+            parts.append((f"→ {event.name}(" if starts else event.text, "reasoning" if block == "reasoning" else "text"))
+            self._block = block
+        return parts
+
+
 class StreamPrinter:
     """Streams one prompt live; with several prompts, prints each answer as it finishes.
 
@@ -197,11 +233,12 @@ class StreamPrinter:
     running statistics (tokens, tok/s, acceptance); piped output is plain streamed text. The
     statistics count this printer's deltas only, so they hold per answer on a long-lived engine
     (`specdec chat`). `num_prompt_tokens` is the prompts' total length, for the cached count.
+    `harmony`: gpt-oss chat answers, shown as their messages read (`HarmonyView`), not as markers.
     """
 
     def __init__(
         self, out, err, num_prompts: int, colors: bool, stats: bool, num_prompt_tokens: int = 0,
-        stats_style: str = "bold", always_show_cached: bool = False,
+        stats_style: str = "bold", always_show_cached: bool = False, harmony: bool = False,
     ) -> None:
         from rich.live import Live
         from rich.text import Text
@@ -218,6 +255,8 @@ class StreamPrinter:
         self.ttft: float | None = None
         self.t0 = time.perf_counter()
         self.live = None
+        self.harmony = harmony
+        self.views: dict[str, HarmonyView] = {}
         if self.single and out.is_terminal:
             self.live = Live(console=out, refresh_per_second=8, vertical_overflow="visible")
             self.live.start()
@@ -236,8 +275,14 @@ class StreamPrinter:
         if self.ttft is None and delta.token_ids:
             self.ttft = time.perf_counter() - self.t0
         text = Text()
+        view = self.views.setdefault(delta.request_id, HarmonyView()) if self.harmony else None
         for piece, origin in zip(delta.pieces, delta.origins):
-            text.append(piece, style=ORIGIN_STYLES[origin] if self.colors else "")
+            style = ORIGIN_STYLES[origin] if self.colors else ""
+            for part, kind in view.feed(piece) if view is not None else [(piece, "text")]:
+                text.append(part, style=f"{style} dim italic" if kind == "reasoning" else style)
+        if view is not None and delta.finished:
+            for part, kind in view.finish():
+                text.append(part, style="dim italic" if kind == "reasoning" else "")
         if self.live is not None:
             self.answer.append_text(text)
             self.live.update(self._render())

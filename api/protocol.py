@@ -27,7 +27,7 @@ from specdec.api.errors import APIError, error_body
 from specdec.api.logprobs import (
     TokenTexts, chat_logprobs, completion_logprobs, prompt_completion_logprobs, vllm_prompt_logprobs,
 )
-from specdec.api.answer import AnswerEvent, AnswerParser, ReasoningDelta
+from specdec.api.answer import AnswerEvent, AnswerParser, ReasoningDelta, whole_answer
 from specdec.api.reasoning import split_reasoning
 from specdec.api.tool_calls import split_tool_calls, stream_delta
 from specdec.sequence import StepDelta, TokenLogprobs
@@ -226,6 +226,7 @@ class ChatFormat(ResponseFormat):
     starts_in_reasoning: bool = False
     tool_format: str = "hermes"  # the calls' format (`specdec.tool_grammar.CALL_FORMATS`)
     tool_schemas: dict[str, Any] | None = None  # function name -> parameters (Qwen3-Coder's values are read by them)
+    harmony: bool = False  # a gpt-oss answer: reasoning, content and calls read from its messages
 
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
@@ -233,11 +234,12 @@ class ChatFormat(ResponseFormat):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._answers = ([self.answer_parser() for _ in range(self.n)] if self.parse_tool_calls or self.parse_reasoning else None)
+        parsed = self.parse_tool_calls or self.parse_reasoning or self.harmony
+        self._answers = [self.answer_parser() for _ in range(self.n)] if parsed else None
 
     def answer_parser(self) -> AnswerParser:
         return AnswerParser(self.parse_reasoning, self.starts_in_reasoning, self.parse_tool_calls, self.tool_format,
-                            self.tool_schemas)
+                            self.tool_schemas, self.harmony)
 
     def delta_chunks(self, index: int, delta: StepDelta) -> list[dict[str, Any]]:
         if self._answers is None:
@@ -258,6 +260,19 @@ class ChatFormat(ResponseFormat):
     def _delta_choice(self, index: int, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
         return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
 
+    def _final_harmony(self, index: int, choice: ChoiceOutput, message: dict[str, Any]) -> dict[str, Any]:
+        """A gpt-oss choice whole: its messages' blocks (`whole_answer`) as the chat message's fields."""
+        parser = self.answer_parser()
+        blocks = whole_answer(parser, choice.text)
+        texts = lambda kind: "".join(b.text for b in blocks if b.kind == kind) or None  # noqa: E731
+        message["content"], message["reasoning_content"] = texts("text"), texts("reasoning")
+        calls = [{"id": b.call_id, "type": "function", "function": {"name": b.name, "arguments": b.text}}
+                 for b in blocks if b.kind == "call"]
+        if calls:
+            message["tool_calls"] = calls
+        return {"index": index, "message": message, "logprobs": self._final_logprobs(choice),
+                "finish_reason": parser.finish_reason(choice.finish_reason)}
+
     def first_chunks(self) -> list[dict[str, Any]]:
         return [self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}]) for i in range(self.n)]
@@ -273,6 +288,8 @@ class ChatFormat(ResponseFormat):
     def _final_choice(self, index: int, choice: ChoiceOutput) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": choice.text}
         reason = choice.finish_reason
+        if self.harmony:
+            return self._final_harmony(index, choice, message)
         if self.parse_reasoning:
             message["reasoning_content"], message["content"] = split_reasoning(choice.text, self.starts_in_reasoning)
         if self.parse_tool_calls:

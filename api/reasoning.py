@@ -15,6 +15,7 @@ are held back; a half tag never reaches a client.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from specdec.api.tool_calls import tag_prefix_len
@@ -24,6 +25,12 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # think without writing <think>), qwen3 only inside a block it opens or the prompt left open
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
 _START, _REASONING, _CONTENT = "start", "reasoning", "content"
+HARMONY_CHANNEL = "<|channel|>"  # gpt-oss's templates: reasoning on the analysis channel (`specdec.api.harmony`)
+
+
+@dataclass
+class ReasoningDelta:
+    text: str
 
 
 def chat_template_text(tokenizer: Any) -> str:
@@ -33,10 +40,18 @@ def chat_template_text(tokenizer: Any) -> str:
 
 
 def parses_reasoning(parser: str, tokenizer: Any) -> bool:
-    """`auto`: the chat template writes `<think>` (Qwen3, DeepSeek-R1); Qwen2.5's does not."""
+    """`auto`: the chat template writes `<think>` (Qwen3, DeepSeek-R1) or harmony's channels
+    (gpt-oss); Qwen2.5's does neither."""
     if parser == "auto":
-        return THINK_OPEN in chat_template_text(tokenizer)
+        template = chat_template_text(tokenizer)
+        return THINK_OPEN in template or is_harmony(tokenizer)
     return parser != "none"
+
+
+def is_harmony(tokenizer: Any) -> bool:
+    """The chat template writes gpt-oss's harmony messages: its answers are read by channel
+    (`specdec.api.harmony`) whatever the reasoning parser."""
+    return tokenizer is not None and HARMONY_CHANNEL in chat_template_text(tokenizer)
 
 
 def starts_in_reasoning(parser: str, prompt: str) -> bool:

@@ -145,6 +145,8 @@ class ServerState:
         one the template mentions, else a 400 naming the field that set it (a variable the template
         never reads would silently change nothing)."""
         template = self.chat_template
+        if "message.thinking" in template:  # gpt-oss's reads an earlier answer's reasoning as `thinking`
+            messages = [_with_thinking(m) for m in messages]
         for param, name, _ in variables:
             if not re.search(rf"\b{name}\b", template):
                 raise APIError(400, f"this model's chat template does not use {name!r}", param, "invalid_value")
@@ -172,7 +174,7 @@ class ServerState:
         call_format = self.tool_call_format
         if call_format is None:
             raise APIError(400, "this model's chat template does not offer tools in a format specdec parses "
-                           "(Hermes / Qwen <tool_call>, Qwen3-Coder XML, Mistral [TOOL_CALLS], Llama 3.1 JSON); "
+                           "(Hermes / Qwen <tool_call>, Qwen3-Coder XML, Mistral [TOOL_CALLS], Llama 3.1 JSON, gpt-oss harmony); "
                            "--tool-call-parser names one", "tools", "invalid_value")
         tokenizer = self.tokenizer
         return tool_use.structured(tool_tags_are_tokens(tokenizer), call_format,
@@ -212,3 +214,15 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.specdec
+
+
+def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's `reasoning_content` also as `thinking` (transformers >= 5.x aliases it
+    too), but none beside both content and calls: gpt-oss's template refuses reasoning there
+    (content before a call, a preamble, is the message's analysis already)."""
+    reasoning = message.get("reasoning_content") or message.get("thinking")
+    if not reasoning:
+        return message
+    if message.get("content") and message.get("tool_calls"):
+        return {k: v for k, v in message.items() if k not in ("reasoning_content", "thinking")}
+    return {**message, "thinking": reasoning}

@@ -314,12 +314,15 @@ def _xml_argument(value: str, schema: Any) -> Any:
         return value
 
 
-def tool_call_parser(call_format: str = "hermes",
-                     schemas: dict[str, Any] | None = None) -> ToolCallParser | JsonCallsParser:
+def tool_call_parser(call_format: str = "hermes", schemas: dict[str, Any] | None = None) -> Any:
     """The parser of `call_format`'s calls (`schemas`: each function's parameters, which Qwen3-Coder's
-    untyped values are read by)."""
+    untyped values are read by; harmony's parser also gives its answer's reasoning)."""
     if call_format == "hermes":
         return ToolCallParser()
+    if call_format == "harmony":
+        from specdec.api.harmony import HarmonyParser  # it reads its calls with this module's events
+
+        return HarmonyParser()
     if call_format == "qwen3_coder":
         return XmlCallParser(schemas)
     return JsonCallsParser(call_format)

@@ -1,7 +1,7 @@
 """Tool calling, request side: `tools`, `tool_choice`, `parallel_tool_calls` and the assistant's
 earlier `tool_calls`, as OpenAI defines them, for chat templates that write calls in the Hermes /
-Qwen `<tool_call>` format, Qwen3-Coder's XML calls, Mistral's `[TOOL_CALLS]` list or Llama 3.1's JSON
-(`template_call_format`, or `specdec serve --tool-call-parser`).
+Qwen `<tool_call>` format, Qwen3-Coder's XML calls, Mistral's `[TOOL_CALLS]` list, Llama 3.1's JSON
+or gpt-oss's harmony messages (`template_call_format`, or `specdec serve --tool-call-parser`).
 
 - `tool_choice="none"`: the tools are left out of the prompt (the model cannot see them, so it
   answers in text; OpenAI lists them and forbids calls) and the answer is not parsed;
@@ -163,7 +163,7 @@ TOOL_CALL_PARSERS = ("auto",) + CALL_FORMATS
 
 def template_call_format(tokenizer: Any) -> str | None:
     """The call format the chat template writes (`specdec.tool_grammar.CALL_FORMATS`), None if
-    none: `<tool_call>` with `<function=` in it (Qwen3-Coder's XML), `<tool_call>` (Hermes, Qwen2.5 /
+    none: `<|channel|>` and `<|call|>` (gpt-oss's harmony), `<tool_call>` with `<function=` in it (Qwen3-Coder's XML), `<tool_call>` (Hermes, Qwen2.5 /
     Qwen3), `[TOOL_CALLS]` (Mistral), Llama 3.1's
     `{"name": ..., "parameters": ...}` (its template names `"parameters"`, or `<|python_tag|>`)."""
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -171,6 +171,8 @@ def template_call_format(tokenizer: Any) -> str | None:
         template = "".join(template.values())
     if "tools" not in template:
         return None
+    if "<|channel|>" in template and "<|call|>" in template:
+        return "harmony"
     if "<function=" in template and OPEN_TAG in template:
         return "qwen3_coder"
     if OPEN_TAG in template:

@@ -22,6 +22,7 @@ from specdec.step.planner import StepPlanner
 from specdec.sampling_params import SamplingParams
 from specdec.step.scheduler import ChunkBudget, Scheduler
 from specdec.sequence import RequestOutput, Sequence, StepDelta, TokenLogprobs, TokenOrigin
+from specdec.target.tokenizer import end_of_answer_ids
 from specdec.step.stopping import StopChecker, append_until_stop
 from specdec.structured import GrammarCompiler
 from specdec.target.runner import ModelRunner
@@ -109,8 +110,10 @@ class Engine:
             pool.enable_caching = config.enable_prefix_caching
         self.num_scheduled = 0  # sequences the latest step ran (a step may emit nothing: prefill chunks)
         self.eos_token_ids = set(target.config.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(tokenizer.eos_token_id)
+        if tokenizer is not None:
+            if tokenizer.eos_token_id is not None:
+                self.eos_token_ids.add(tokenizer.eos_token_id)
+            self.eos_token_ids.update(end_of_answer_ids(tokenizer))  # gpt-oss: <|return|>, <|call|>
         self.stats = AcceptanceStats()
         self._grammars: GrammarCompiler | None = None  # structured output; built at its first request
         self._sequences: dict[str, Sequence] = {}

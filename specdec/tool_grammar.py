@@ -62,7 +62,8 @@ class ToolGrammarSpec:
 #   llama3_json  {"name": "f", "parameters": {...}}; {"name": ...}            (Llama 3.1-3.3's custom tools)
 #   mistral      [TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]         (Mistral v0.3 and later JSON lists)
 #   qwen3_coder  <tool_call>\n<function=f>\n<parameter=k>\nvalue\n</parameter>\n</function>\n</tool_call>
-CALL_FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
+#   harmony      <|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>  (gpt-oss)
+CALL_FORMATS = ("hermes", "llama3_json", "mistral", "qwen3_coder", "harmony")
 MISTRAL_TAG = "[TOOL_CALLS]"
 
 
@@ -70,6 +71,8 @@ def tool_call_grammar(spec: ToolGrammarSpec) -> str:
     """The Lark grammar of `spec`, in its call format."""
     if spec.call_format in ("hermes", "qwen3_coder"):
         return _hermes_grammar(spec)
+    if spec.call_format == "harmony":
+        return _harmony_grammar(spec)
     key = "parameters" if spec.call_format == "llama3_json" else "arguments"
     if spec.call_format == "llama3_json":  # calls only at the answer's start: text may not open with "{"
         calls = 'fn ("; " fn)*' if spec.parallel else "fn"
@@ -129,6 +132,37 @@ def _hermes_grammar(spec: ToolGrammarSpec) -> str:
         lines = [f"start: {open_} body{more}"]
     lines.append(f'body: "\\n" fn "\\n" {close}')
     lines += _xml_functions(spec) if xml else _functions(spec, "arguments")
+    return "%llguidance {}\n" + "\n".join(lines) + "\n"
+
+
+def _harmony_grammar(spec: ToolGrammarSpec) -> str:
+    """gpt-oss's harmony answer (the prompt ends with `<|start|>assistant`), its markers special
+    tokens (so no text can hold one): with free text, messages on the analysis or commentary channel
+    first (`<|channel|>analysis<|message|>...<|end|><|start|>assistant`), then the final answer or one
+    call; a forced call is the call alone (as in the other formats, no room to think). A call is
+    `<|channel|>commentary to=functions.f <|constrain|>json<|message|>` and its arguments; the answer
+    then ends, at `<|call|>` (one of the model's stops). One call a turn: harmony's calls end the turn.
+
+    >>> print(tool_call_grammar(ToolGrammarSpec.build([("f", None)], free_text=False, call_format="harmony")))
+    %llguidance {}
+    start: call
+    call: <|channel|> "commentary to=functions." fn
+    fn: fn_0
+    fn_0: "f" " " <|constrain|> "json" <|message|> args_0
+    args_0: %json {"type": "object", "properties": {}, "additionalProperties": false, "x-guidance": {...}}
+    """
+    lines = ["start: pre* (final | call)" if spec.free_text else "start: call"]
+    if spec.free_text:
+        lines += ['pre: <|channel|> ("analysis" | "commentary") <|message|> TEXT <|end|> <|start|> "assistant"',
+                  'final: <|channel|> "final" <|message|> TEXT', "TEXT: /(.|\\n)*/"]
+    lines += ['call: <|channel|> "commentary to=functions." fn',
+              "fn: " + " | ".join(f"fn_{i}" for i in range(len(spec.functions)))]
+    for i, (name, params) in enumerate(spec.functions):
+        schema = json.loads(params)
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": JSON_OPTIONS}
+        lines.append(f'fn_{i}: {json.dumps(name)} " " <|constrain|> "json" <|message|> args_{i}')
+        lines.append(f"args_{i}: %json {json.dumps(schema)}")
     return "%llguidance {}\n" + "\n".join(lines) + "\n"
 
 

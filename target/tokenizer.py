@@ -7,6 +7,12 @@ from pathlib import Path
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+# gpt-oss's harmony format: an answer's messages are framed by these special tokens
+# (`<|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...`), so the
+# answer's text keeps them (the parser reads channels and calls from them); `<|return|>` and `<|call|>`
+# end the answer (generation_config.json lists them beside the config's EOS), so they are stops.
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
+HARMONY_ENDS = ("<|return|>", "<|call|>")
 # How many prompt tokens give the first generated token its context (a leading space, say).
 _PROMPT_CONTEXT_MIN, _PROMPT_CONTEXT_MAX = 5, 24
 
@@ -51,6 +57,34 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
         return ids
     leading = list(tokenizer.encode("", add_special_tokens=True))
     return [bos, *ids] if leading[:1] == [bos] else ids
+
+
+def _special_ids(tokenizer: Any, names: Sequence[str]) -> tuple[int, ...]:
+    """The ids of `names` where every one is an added token of the vocabulary, else ()."""
+    added = tokenizer.get_added_vocab() if hasattr(tokenizer, "get_added_vocab") else {}
+    return tuple(added[n] for n in names) if all(n in added for n in names) else ()
+
+
+def kept_special_ids(tokenizer: Any) -> frozenset[int]:
+    """Special tokens an answer's text keeps: harmony's markers where the vocabulary has them
+    (gpt-oss), none elsewhere. Cached on the tokenizer, by its size (tokens added later count)."""
+    if not hasattr(tokenizer, "get_added_vocab"):
+        return frozenset()
+    size = len(tokenizer)
+    cached = getattr(tokenizer, "_specdec_kept_ids", None)
+    if cached is not None and cached[0] == size:
+        return cached[1]
+    kept = frozenset(_special_ids(tokenizer, HARMONY_MARKERS + HARMONY_ENDS)[:len(HARMONY_MARKERS)])
+    try:
+        tokenizer._specdec_kept_ids = (size, kept)
+    except AttributeError:
+        pass
+    return kept
+
+
+def end_of_answer_ids(tokenizer: Any) -> tuple[int, ...]:
+    """Tokens that end an answer beside the config's EOS: harmony's `<|return|>` and `<|call|>`."""
+    return _special_ids(tokenizer, HARMONY_MARKERS + HARMONY_ENDS)[len(HARMONY_MARKERS):]
 
 
 def is_chat_model(tokenizer: Any) -> bool:
@@ -108,7 +142,8 @@ class IncrementalDetokenizer:
     window up to `read_offset`) was already emitted; whatever the full window decodes to beyond it
     is new. Text ending in the replacement char is an incomplete UTF-8 sequence (a character split
     across tokens) and is held back until later tokens complete it. Every call decodes a window of
-    a few tokens, never the whole output. Special tokens are skipped.
+    a few tokens, never the whole output. Special tokens are skipped, but for those the answer's
+    format is written in (`kept_special_ids`: gpt-oss's harmony markers), which are kept as text.
 
         >>> detok = IncrementalDetokenizer(tokenizer, prompt_ids)   # doctest: +SKIP
         >>> detok.step([9707]), detok.step([11, 1879])               # doctest: +SKIP
@@ -117,6 +152,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
         self.tokenizer = tokenizer
+        self._kept = kept_special_ids(tokenizer)
         # The window: ids from the prefix offset on (so the prefix offset is always 0 here).
         self._ids: list[int] = self._prompt_context(list(prompt_ids))
         self._read_offset = len(self._ids)
@@ -150,9 +186,21 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        if self._kept and not self._kept.isdisjoint(ids):  # the kept ones as text, the runs between decoded
+            parts, run = [], []
+            for i in ids:
+                if i in self._kept:
+                    parts += [self._decode_run(run), self.tokenizer.convert_ids_to_tokens(i)]
+                    run = []
+                else:
+                    run.append(i)
+            return "".join(parts) + self._decode_run(run)
+        return self._decode_run(ids)
+
+    def _decode_run(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _prompt_context(self, prompt_ids: list[int]) -> list[int]:
         """The shortest prompt tail (5..24 tokens) that decodes cleanly, so the first generated

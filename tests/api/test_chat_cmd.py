@@ -238,3 +238,32 @@ def test_parser_has_chat_with_system_and_engine_flags(capsys):
         build_parser().parse_args(["chat", "--help"])
     assert exit_info.value.code == 0
     assert "--system TEXT" in capsys.readouterr().out
+
+
+def test_a_gpt_oss_answer_shows_its_reasoning_and_keeps_its_final_message():
+    """harmony: the markers are read, not shown (reasoning, a blank line, the answer), and the
+    history keeps the final message only, as gpt-oss's template writes earlier answers."""
+    from dataclasses import replace
+
+    from specdec.sampling_params import StructuredSpec
+    from specdec.testing import noisy_twin, tiny_pair, tiny_tokenizer
+
+    from .test_tool_formats import HARMONY, HARMONY_TOKENS
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tokenizer.chat_template = HARMONY
+    target, _ = tiny_pair("qwen2", 2, vocab_size=len(tokenizer), eos_token_id=2, bos_token_id=None)
+    engine = Engine.from_models(EngineConfig(dtype="float32", num_blocks=128, block_size=4, proposer="draft"),
+                                target, noisy_twin(target), tokenizer)
+    grammar = ('start: <|channel|> "analysis" <|message|> "Thinking." <|end|> <|start|> "assistant" '
+               '<|channel|> "final" <|message|> /[a-z ]{3,12}/')
+    params = replace(PARAMS, ignore_eos=False, max_tokens=40, structured=StructuredSpec.lark(grammar))
+    session = RecordingSession(engine, params)
+    out, err = consoles()
+    chat_loop(session, Script("Hi"), out, err)
+    (turn,) = session.turns
+    final = session.messages[-1]["content"]
+    assert turn.text.startswith("<|channel|>analysis<|message|>Thinking.<|end|>") and turn.text.endswith(final)
+    assert 3 <= len(final) and "<|" not in final
+    assert out.file.getvalue().startswith(f"Thinking.\n\n{final}")

@@ -87,9 +87,43 @@ QWEN3_CODER = (
     "{{- '<|im_start|>user\n<tool_response>\n' + message.content + '\n</tool_response><|im_end|>\n' }}"
     "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
-TEMPLATES = {"llama3_json": LLAMA31, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER}
+# gpt-oss's template, its harmony parts: the system message with the reasoning effort and channels,
+# the tools as a TypeScript namespace in the developer message, earlier calls (to=functions.f in the
+# role's place, after their reasoning, read from `thinking`; `<|call|>`), tool results from
+# functions.f, and the answer's `<|start|>assistant`
+HARMONY = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Reasoning: {{ reasoning_effort | default('medium') }}\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{%- endif %}<|end|>"
+    "{%- if tools %}<|start|>developer<|message|># Tools\n\n## functions\n\nnamespace functions {\n\n"
+    "{%- for tool in tools %}{%- set tool = tool.function if tool.function is defined else tool %}"
+    "{{- '// ' + (tool.description or '') + '\ntype ' + tool.name + ' = (_: {\n' }}"
+    "{%- for name, param in (tool.parameters.properties or {})|items %}"
+    "{{- name + ': ' + (param.type | default('any') | string) + ',\n' }}{%- endfor %}"
+    "{{- '}) => any;\n\n' }}{%- endfor %}} // namespace functions<|end|>{%- endif %}"
+    "{%- set ns = namespace(last_call='') %}{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'system' %}"
+    "{{- '<|start|>' + message.role + '<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{%- set call = message.tool_calls[0].function %}{%- set ns.last_call = call.name %}"
+    "{%- if message.content and message.thinking %}{{- raise_exception('Cannot pass both content and thinking "
+    "in an assistant message with tool calls!') }}{%- endif %}"
+    "{%- if message.thinking %}{{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}"
+    "{%- endif %}{{- '<|start|>assistant to=' }}{{- 'functions.' + call.name + '<|channel|>commentary json<|message|>' }}"
+    "{{- call.arguments | tojson }}<|call|>"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|start|>functions.' + ns.last_call + ' to=assistant<|channel|>commentary<|message|>' }}"
+    "{{- message.content | tojson }}<|end|>{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
+TEMPLATES = {"llama3_json": LLAMA31, "mistral": MISTRAL, "qwen3_coder": QWEN3_CODER, "harmony": HARMONY}
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 SPECIALS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>", "[TOOL_CALLS]",
-            "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[INST]", "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
+            "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[INST]", "[/INST]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+            *HARMONY_TOKENS]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "search_code"}}
 
@@ -98,7 +132,7 @@ def test_the_template_picks_the_format():
     tokenizer = tiny_tokenizer()
     plain = "{% for m in messages %}{{ m.content }}{% endfor %}"
     for expected, template in [("llama3_json", LLAMA31), ("mistral", MISTRAL), ("qwen3_coder", QWEN3_CODER),
-                               ("hermes", TINY_CHAT_TEMPLATE),
+                               ("hermes", TINY_CHAT_TEMPLATE), ("harmony", HARMONY),
                                (None, plain)]:
         tokenizer.chat_template = template
         assert template_call_format(tokenizer) == expected
@@ -117,6 +151,12 @@ ANSWERS = [  # (format, answer, content, calls)
      "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>", "Sure.", [("f", '{"city": "New\\nYork", "n": 3}')]),
     ("qwen3_coder", "<tool_call>\n<function=g>\n</function>\n</tool_call>\n<tool_call>\n<function=f>\n"
      "<parameter=q>\n</parameter>\n</parameter>\n</function>\n</tool_call>", None, [("g", "{}"), ("f", '{"q": "</parameter>"}')]),
+    ("harmony", '<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+     'to=functions.f <|constrain|>json<|message|>{"city": "<|x"}', None, [("f", '{"city": "<|x"}')]),
+    ("harmony", "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>commentary<|message|>Let me "
+     "see.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.", "Let me see.It is sunny.", []),
+    ("harmony", " to=functions.g<|channel|>commentary json<|message|>{}", None, [("g", "{}")]),  # recipient first
+    ("harmony", "It is {sunny} today.", "It is {sunny} today.", []),  # no message opened: the text as it is
 ]
 
 
@@ -128,7 +168,10 @@ def test_streamed_in_any_split_the_calls_are_the_whole_answers(call_format, answ
         parser = tool_call_parser(call_format)
         events = parser.feed(answer[:cut]) + parser.feed(answer[cut:]) + parser.finish()
         text = "".join(getattr(e, "text", "") for e in events if type(e).__name__ == "ContentDelta")
-        args = [e.text for e in events if type(e).__name__ == "ArgumentsDelta"]
+        args = [""] * len(calls)  # harmony streams a call's arguments in pieces, the others whole
+        for e in events:
+            if type(e).__name__ == "ArgumentsDelta":
+                args[e.index] += e.text
         assert (text or None, args) == (content, [a for _, a in calls]), cut
 
 
@@ -136,6 +179,17 @@ def test_a_call_cut_off_is_neither_content_nor_a_call():
     assert split_tool_calls('{"name": "f", "parameters": {"x": ', "llama3_json") == (None, [])
     assert split_tool_calls('[TOOL_CALLS][{"name": "f", "arg', "mistral") == (None, [])
     assert split_tool_calls("<tool_call>\n<function=f>\n<param", "qwen3_coder") == (None, [])
+    assert split_tool_calls('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": ', "harmony") == (None, [])
+
+
+def test_harmony_reasoning_is_its_analysis_channel():
+    from specdec.api.answer import AnswerParser, whole_answer
+
+    answer = ("<|channel|>analysis<|message|>The user wants 2+2.<|end|><|start|>assistant<|channel|>final<|message|>4")
+    blocks = whole_answer(AnswerParser(False, False, False, harmony=True), answer)
+    assert [(b.kind, b.text) for b in blocks] == [("reasoning", "The user wants 2+2."), ("text", "4")]
+    cut = whole_answer(AnswerParser(False, False, False, harmony=True), answer[:answer.index(" 2+2")])  # cut off while thinking
+    assert [(b.kind, b.text) for b in cut] == [("reasoning", "The user wants")]
 
 
 def test_qwen3_coder_values_are_read_by_their_schema():
@@ -156,14 +210,24 @@ def family_parts():
     return target, noisy_twin(target), tokenizer
 
 
-@pytest.fixture(scope="module", params=sorted(TEMPLATES))
-def family(request, serve, family_parts):
+def _family_server(serve, family_parts, call_format: str):
     target, draft, tokenizer = family_parts
     own = copy.deepcopy(tokenizer)
-    own.chat_template = TEMPLATES[request.param]
+    own.chat_template = TEMPLATES[call_format]
     with serve(tool_engine(target, draft, own)) as srv, \
             openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120) as client:
-        yield request.param, client
+        yield call_format, client
+
+
+@pytest.fixture(scope="module", params=sorted(TEMPLATES))
+def family(request, serve, family_parts):
+    yield from _family_server(serve, family_parts, request.param)
+
+
+@pytest.fixture(scope="module")
+def harmony(serve, family_parts):
+    """gpt-oss's format alone: its server."""
+    yield from _family_server(serve, family_parts, "harmony")
 
 
 def _ask(client, stream: bool, **kwargs):
@@ -216,3 +280,64 @@ def test_the_conversation_goes_on_through_the_template(family):
     ]
     answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=5, temperature=0)
     assert answer.choices[0].finish_reason in ("length", "stop", "tool_calls")
+
+
+def test_harmony_answers_are_read_by_channel_streamed_and_whole(harmony):
+    """gpt-oss: answers under the auto grammar (analysis / commentary messages, then the final answer
+    or a call) come back with their markers read, never shown, the same streamed and whole: one pushed
+    onto the analysis channel (its "a") is all reasoning, the others' final messages content."""
+    _, client = harmony
+    a = tiny_tokenizer().convert_tokens_to_ids("a")
+    kwargs = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=40, temperature=0, reasoning_effort="low")
+    answers = []
+    for i, bias in enumerate([{str(a): 30}, {}, {"47": 5}]):
+        extra = {"cache_salt": str(i), "logit_bias": bias}
+        whole = client.chat.completions.create(extra_body=extra, **kwargs).choices[0]
+        message = whole.message
+        got = [getattr(message, "reasoning_content", None), message.content,
+               [(c.function.name, c.function.arguments) for c in message.tool_calls or []], whole.finish_reason]
+        reasoning, content, calls, finish, raw = "", "", [], None, ""
+        for chunk in client.chat.completions.create(stream=True, extra_body=extra, **kwargs):
+            raw += "".join((chunk.model_extra or {}).get("specdec", {}).get("pieces", []))
+            delta = chunk.choices[0].delta
+            reasoning += getattr(delta, "reasoning_content", None) or ""
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                if call.index == len(calls):
+                    calls.append([call.function.name, ""])
+                calls[call.index][1] += call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert got == [reasoning or None, content or None, [tuple(c) for c in calls], finish]
+        assert raw.startswith("<|channel|>") and "<|" not in reasoning + content, (raw, got)
+        answers.append(got)
+    assert answers[0][0] and answers[0][1] is None  # all reasoning
+    assert any(answer[1] for answer in answers[1:])  # a final message
+
+
+def test_harmony_calls_through_the_responses_api(harmony):
+    """The Responses API reads gpt-oss's call from its messages too (one function_call item)."""
+    _, client = harmony
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    response = client.responses.create(model=MODEL, input=MESSAGES[0]["content"], tools=tools, tool_choice="required",
+                                       max_output_tokens=200, temperature=0)
+    (item,) = response.output
+    assert item.type == "function_call" and item.name in SCHEMAS, response.output
+    jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+
+
+def test_harmony_gets_an_earlier_calls_reasoning_as_thinking(harmony):
+    """An assistant call's `reasoning_content` reaches gpt-oss's template as `thinking` (its analysis
+    message before the call), so the prompt grows by it."""
+    _, client = harmony
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+    def prompt_tokens(**reasoning):
+        messages = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call]} | reasoning,
+                               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        answer = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=1,
+                                                temperature=0)
+        return answer.usage.prompt_tokens
+
+    assert prompt_tokens(reasoning_content="Paris is in France.") > prompt_tokens()
+    # a preamble (content) beside the call: the template refuses reasoning there, so it is left out
+    assert prompt_tokens(content="Let me look.", reasoning_content="x") == prompt_tokens(content="Let me look.")

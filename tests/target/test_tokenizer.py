@@ -7,8 +7,11 @@ import random
 import pytest
 
 from specdec.target.tokenizer import (
+    HARMONY_ENDS,
+    HARMONY_MARKERS,
     IncrementalDetokenizer,
     apply_chat_template,
+    end_of_answer_ids,
     is_chat_model,
     load_tokenizer,
 )
@@ -111,3 +114,40 @@ def test_load_tokenizer_round_trip(tiny_tokenizer, tmp_path):
 def test_load_tokenizer_from_empty_folder_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_harmony_markers_stay_in_the_text_and_its_ends_stop(tiny_tokenizer):
+    """gpt-oss's vocabulary: the message markers are kept as text (the answer is read by them),
+    other special tokens are still skipped, and `<|return|>` / `<|call|>` end an answer."""
+    import copy
+
+    plain = copy.deepcopy(tiny_tokenizer)
+    assert end_of_answer_ids(plain) == ()
+    harmony = copy.deepcopy(tiny_tokenizer)
+    harmony.add_special_tokens({"additional_special_tokens": [*HARMONY_MARKERS, *HARMONY_ENDS]})
+    answer = "<|channel|>analysis<|message|>Hm, ünï.<|end|><|start|>assistant<|channel|>final<|message|>x = 1"
+    ids = harmony.encode(answer, add_special_tokens=False) + [harmony.eos_token_id]  # skipped
+    for seed in range(5):
+        assert "".join(_stream(harmony, [], ids, random.Random(seed))) == answer
+    assert "".join(_stream(plain, [], plain.encode("Hm<|end|>", add_special_tokens=False), random.Random(0))) == "Hm<|end|>"
+    assert end_of_answer_ids(harmony) == tuple(harmony.convert_tokens_to_ids(t) for t in HARMONY_ENDS)
+
+
+def test_an_engine_stops_at_harmony_ends(tiny_tokenizer):
+    """`<|call|>` ends a gpt-oss answer though the config's EOS is another token (as
+    generation_config.json lists it); not emitted as text."""
+    import copy
+
+    from specdec.config import EngineConfig
+    from specdec.engine import Engine
+    from specdec.sampling_params import SamplingParams
+    from specdec.testing import tiny_pair
+
+    harmony = copy.deepcopy(tiny_tokenizer)
+    harmony.add_special_tokens({"additional_special_tokens": [*HARMONY_MARKERS, *HARMONY_ENDS]})
+    call = harmony.convert_tokens_to_ids("<|call|>")
+    target, _ = tiny_pair("qwen2", 0, vocab_size=len(harmony), eos_token_id=2, bos_token_id=None)
+    engine = Engine.from_models(EngineConfig(device="cpu", num_speculative_tokens=0), target, None, harmony)
+    params = SamplingParams(max_tokens=8, temperature=0, logit_bias={call: 100})
+    (out,) = engine.generate([[5, 6, 7]], params)
+    assert (out.finish_reason, out.token_ids, out.text) == ("stop", [], "")
