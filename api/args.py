@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "w8a8: int8 weights and activations, smoothed, cost flat in the number of "
                         "verified tokens; w4a8-auto: int4 where on the 4-bit grid, else int8, "
                         "activations int8 per group of 32, on specdec's C kernel (AVX2 or better); w4a8: "
-                        "int4 everywhere on that kernel; gguf: a GGUF's Q4_K / Q5_K / Q6_K / Q3_K / Q2_K / IQ4_XS / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / MXFP4 / Q8_0 tensors read as stored "
+                        "int4 everywhere on that kernel; gguf: a GGUF's Q4_K / Q5_K / Q6_K / Q3_K / Q2_K / IQ4_XS / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / MXFP4 / Q8_0 / F16 / BF16 tensors read as stored "
                         "on that kernel, w4a8-auto for the rest); cached after first use where anything "
                         "was re-quantized. Default: see README")
     g.add_argument("--draft-quant", choices=QUANT_MODES, default=None,

@@ -25,6 +25,8 @@
 #define SPECDEC_TILE_IQ4_XS 23    /* qgemm tile_bits of a GGUF IQ4_XS tile */
 #define SPECDEC_TILE_Q3_K 11      /* qgemm tile_bits of a GGUF Q3_K tile */
 #define SPECDEC_TILE_Q2_K 10      /* qgemm tile_bits of a GGUF Q2_K tile */
+#define SPECDEC_TILE_F16 1        /* qgemm tile_bits of a GGUF F16 tile (ggml's type id) */
+#define SPECDEC_TILE_BF16 30      /* qgemm tile_bits of a GGUF BF16 tile (ggml's type id) */
 #define SPECDEC_MAX_HEAD_DIM 512  /* rope_write_attend: its per-thread query buffer */
 #define SPECDEC_MAX_LATENT_DIM 1024 /* latent_attend: the widest latent (rank + rope) */
 #define SPECDEC_SHM_HEADER 4096   /* group_allreduce: the region's header (progress, process ids) */

@@ -68,6 +68,9 @@ static inline vf vf_load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
 }
 
+/* 16 fp16 values at p -> fp32 (exact, subnormals too). */
+static inline vf vf_load_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+
 /* fp32 -> nearest bf16, kept in fp32. */
 static inline vf vf_round_bf16(vf v) {
     __m512i u = _mm512_castps_si512(v);
@@ -129,6 +132,9 @@ static inline __m256 load_bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
 static inline vf vf_load_bf16(const uint16_t *p) { return (vf){load_bf16x8(p), load_bf16x8(p + 8)}; }
+static inline vf vf_load_f16(const uint16_t *p) {
+    return (vf){_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)))};
+}
 
 static inline __m256i bf16_bits8(__m256 v) { /* the rounded bf16 in the top half of each lane */
     __m256i u = _mm256_castps_si256(v);

@@ -38,7 +38,7 @@ class GGUFEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = info.shape
         self._rows = np.asarray(gguf.raw(name)).reshape(self.num_embeddings, -1)  # [V, row bytes] (or values)
         kind = kquant.GGML_KINDS.get(self.ggml_type)  # rows the C lookup reads (`_c_kind`), else None
-        fits = (kind is not None and self.embedding_dim % kquant.BLOCK_INPUTS[kind] == 0
+        fits = (kind is not None and kind not in kquant.FLOAT_KINDS and self.embedding_dim % kquant.BLOCK_INPUTS[kind] == 0
                 and self._rows.dtype == np.uint8 and self._rows.strides[1] == 1)
         self._c_kind = kind if fits else None
 

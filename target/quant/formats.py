@@ -69,7 +69,7 @@ MODES = {m.name: m for m in (
     QuantMode("w4a8-auto", QLINEAR, functools.partial(QLinear.from_linear, int4_max_error=AUTO_INT4_MAX_ERROR),
               needs_kernel=True),
     # the file's own blocks (`kquant.KIND_NAMES`: Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, Q4_0, Q4_1, Q5_0,
-    # IQ4_NL, MXFP4, Q8_0), no re-quantization; "w4a8-auto" for every other tensor
+    # IQ4_NL, MXFP4, Q8_0, F16, BF16), no re-quantization; "w4a8-auto" for every other tensor
     QuantMode("gguf", QLINEAR, functools.partial(QLinear.from_linear, int4_max_error=AUTO_INT4_MAX_ERROR),
               needs_kernel=True, file_blocks=True),
 )}

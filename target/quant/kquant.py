@@ -1,6 +1,7 @@
 """GGUF blocks repacked into `QLinear` tiles that `qgemm` reads as they are: the k-quants Q4_K, Q5_K,
-Q6_K, Q3_K, Q2_K and IQ4_XS (super-blocks of 256 inputs) and Q5_0, Q4_0, Q4_1, IQ4_NL, MXFP4 and
-Q8_0 (blocks of 32).
+Q6_K, Q3_K, Q2_K and IQ4_XS (super-blocks of 256 inputs), Q5_0, Q4_0, Q4_1, IQ4_NL, MXFP4 and
+Q8_0 (blocks of 32), and the float types F16 and BF16 (their 16-bit values, input by input: a
+tile holds `[K, 16]` of them, `FLOAT_KINDS`).
 
 The file's quantized weights are not re-quantized: their integers, 6-bit (Q4_K) or int8 (Q6_K)
 sub-scales and fp16 scales move into the tile layouts of `kquant_tiles.h` and `block32_tiles.h`,
@@ -19,22 +20,26 @@ import numpy as np
 import torch
 
 from specdec import native
-from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q2_K, TILE_Q3_K,
-                                TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K, TILE_Q6_K, TILE_Q8_0,
-                                raise_for_status)
+from specdec.kernel_abi import (GROUP, SUPER, TILE, TILE_BF16, TILE_F16, TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4,
+                                TILE_Q2_K, TILE_Q3_K, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K, TILE_Q6_K,
+                                TILE_Q8_0, raise_for_status)
 
 # bytes per block of BLOCK_INPUTS weights in the file and in a tile (per output channel): equal
 BLOCK_BYTES = {TILE_Q4_K: 144, TILE_Q5_K: 176, TILE_Q6_K: 210, TILE_Q5_0: 22, TILE_Q4_0: 18, TILE_Q4_1: 20,
-               TILE_IQ4_NL: 18, TILE_MXFP4: 17, TILE_IQ4_XS: 136, TILE_Q3_K: 110, TILE_Q2_K: 84, TILE_Q8_0: 34}
+               TILE_IQ4_NL: 18, TILE_MXFP4: 17, TILE_IQ4_XS: 136, TILE_Q3_K: 110, TILE_Q2_K: 84, TILE_Q8_0: 34,
+               TILE_F16: 64, TILE_BF16: 64}
 BLOCK_INPUTS = {TILE_Q4_K: SUPER, TILE_Q5_K: SUPER, TILE_Q6_K: SUPER, TILE_Q5_0: GROUP, TILE_Q4_0: GROUP,
                 TILE_Q4_1: GROUP, TILE_IQ4_NL: GROUP, TILE_MXFP4: GROUP, TILE_IQ4_XS: SUPER,
-                TILE_Q3_K: SUPER, TILE_Q2_K: SUPER, TILE_Q8_0: GROUP}
+                TILE_Q3_K: SUPER, TILE_Q2_K: SUPER, TILE_Q8_0: GROUP, TILE_F16: GROUP, TILE_BF16: GROUP}
 # ggml's type id of a GGUF tensor -> the tile kind that holds its blocks as stored (the same number but Q8_0's)
 GGML_KINDS = {12: TILE_Q4_K, 13: TILE_Q5_K, 14: TILE_Q6_K, 6: TILE_Q5_0, 2: TILE_Q4_0, 3: TILE_Q4_1, 20: TILE_IQ4_NL,
-              39: TILE_MXFP4, 23: TILE_IQ4_XS, 11: TILE_Q3_K, 10: TILE_Q2_K, 8: TILE_Q8_0}
+              39: TILE_MXFP4, 23: TILE_IQ4_XS, 11: TILE_Q3_K, 10: TILE_Q2_K, 8: TILE_Q8_0, 1: TILE_F16,
+              30: TILE_BF16}
 KIND_NAMES = {TILE_Q4_K: "Q4_K", TILE_Q5_K: "Q5_K", TILE_Q6_K: "Q6_K", TILE_Q5_0: "Q5_0", TILE_Q4_0: "Q4_0",
               TILE_Q4_1: "Q4_1", TILE_IQ4_NL: "IQ4_NL", TILE_MXFP4: "MXFP4", TILE_IQ4_XS: "IQ4_XS",
-              TILE_Q3_K: "Q3_K", TILE_Q2_K: "Q2_K", TILE_Q8_0: "Q8_0"}
+              TILE_Q3_K: "Q3_K", TILE_Q2_K: "Q2_K", TILE_Q8_0: "Q8_0", TILE_F16: "F16", TILE_BF16: "BF16"}
+# float kinds: the file's 16-bit values, multiplied by the activations in fp32 (no activation quantization)
+FLOAT_KINDS = frozenset((TILE_F16, TILE_BF16))
 # block32_tiles.h's: blocks of 32 inputs, their nibbles in the int4 tiles' layout, then d (and m)
 BLOCK32_KINDS = frozenset((TILE_Q5_0, TILE_Q4_0, TILE_Q4_1, TILE_IQ4_NL, TILE_MXFP4))
 # the 16 values of a table kind's 4-bit codes (ggml's kvalues_iq4nl, kvalues_mxfp4: e2m1 doubled)
@@ -74,6 +79,8 @@ def pack_kquant(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor:
     it builds, else in torch a chunk of rows at a time (`pack_kquant_torch`)."""
     rows = raw if isinstance(raw, np.ndarray) else raw.numpy()
     n, k = rows.shape[0], rows.shape[1] // BLOCK_BYTES[kind] * BLOCK_INPUTS[kind]
+    if kind in FLOAT_KINDS:
+        return pack_kquant_torch(rows, kind)
     lib = PACKER.load()
     if lib is None or not fits(kind, n, k):
         return pack_kquant_torch(rows, kind)
@@ -90,8 +97,16 @@ def pack_kquant_torch(raw: np.ndarray | torch.Tensor, kind: int) -> torch.Tensor
     pack = {TILE_Q4_K: _pack_q4_k, TILE_Q5_K: _pack_q5_k, TILE_Q6_K: _pack_q6_k, TILE_Q5_0: _pack_q5_0,
             TILE_Q4_0: _pack_q4_0, TILE_Q4_1: _pack_q4_1, TILE_IQ4_NL: _pack_iq4_nl, TILE_MXFP4: _pack_mxfp4,
             TILE_IQ4_XS: _pack_iq4_xs, TILE_Q3_K: _pack_q3_k, TILE_Q2_K: _pack_q2_k,
-            TILE_Q8_0: _pack_q8_0}[kind]
+            TILE_Q8_0: _pack_q8_0, TILE_F16: _pack_float, TILE_BF16: _pack_float}[kind]
     return torch.cat([pack(_rows(raw[r : r + ROWS_PER_CHUNK])) for r in range(0, n, ROWS_PER_CHUNK)])
+
+
+def _pack_float(rows: torch.Tensor) -> torch.Tensor:
+    """F16 / BF16 rows `[n, 2 K]` bytes -> tiles of `[K, 16]` 16-bit values (16 output channels an
+    input), so the kernel multiplies one input into 16 channels with one load."""
+    n = rows.shape[0]
+    values = rows.view(torch.int16).view(n // TILE, TILE, -1)  # [t, 16, K]
+    return values.transpose(1, 2).contiguous().view(torch.uint8).reshape(-1)
 
 
 def _rows(raw: np.ndarray | torch.Tensor) -> torch.Tensor:  # a chunk as a writable tensor (a mapped file's is copied)
@@ -355,6 +370,9 @@ def dequantize_tiles(tiles: torch.Tensor, kind: int, in_features: int) -> torch.
     read back from the tile layout, so a packing error shows as a difference from the file's."""
     if kind in BLOCK32_KINDS or kind == TILE_Q8_0:
         return _dequantize_block32(tiles, kind, in_features)
+    if kind in FLOAT_KINDS:  # [t, K, 16] 16-bit values -> [16 t, K]
+        values = tiles.view(torch.float16 if kind == TILE_F16 else torch.bfloat16).view(-1, in_features, TILE)
+        return values.transpose(1, 2).reshape(-1, in_features).float()
     s = in_features // SUPER
     per = tile_bytes(kind, in_features) // s
     b = tiles.view(-1, s, per)  # [t, S, bytes]

@@ -27,7 +27,7 @@
  *   int8: 8 blocks of 64 B (4 inputs x 16 outputs each: byte 4n+i = q[n][4b+i]), then step[16] bf16;
  *   GGUF's Q8_0: int8's with step[16] fp16 (the file's d); Q5_0, Q4_0, Q4_1, IQ4_NL, MXFP4, Q4_K, Q5_K, Q6_K:
  *   block32_tiles.h and
- *   kquant_tiles.h.
+ *   kquant_tiles.h; F16 and BF16 (fp32 activations, not quantized): float_tiles.h.
  */
 #include <math.h>
 #include <stdint.h>
@@ -153,6 +153,8 @@ static inline void store_rows(const vf *acc, int R, const float *bias, const voi
         }
     }
 }
+
+#include "float_tiles.h" /* float_tile: GGUF's F16 and BF16 tiles, fp32 activations */
 
 #define TILE_ROWS(R)                                                                  \
     do {                                                                              \
@@ -356,8 +358,8 @@ KQ_TILE_FN(kq_tile_q2_k, SPECDEC_TILE_Q2_K)
 /* y[M, N] = residual + a @ w^T + bias, where a[M, K] is x, rmsnorm(x) with `norm_w` [K], or with
  * `glu` silu(x[:, :K]) * x[:, K:] of x [M, 2K]. `tiles` is the weight blob, `tile_offsets[N/16]`
  * the byte offset of each tile in it and `tile_bits[N/16]` its format (4, 8, a GGUF tile
- * SPECDEC_TILE_Q5_0, _Q4_0, _Q4_1, _IQ4_NL, _MXFP4 or _Q8_0, or a k-quant tile SPECDEC_TILE_Q4_K, _Q5_K, _Q6_K, _IQ4_XS, _Q3_K or _Q2_K, whose calls need
- * K % 256 == 0). x, y, residual
+ * SPECDEC_TILE_Q5_0, _Q4_0, _Q4_1, _IQ4_NL, _MXFP4 or _Q8_0, a k-quant tile SPECDEC_TILE_Q4_K, _Q5_K, _Q6_K, _IQ4_XS, _Q3_K or _Q2_K, whose calls need
+ * K % 256 == 0, or a float tile SPECDEC_TILE_F16 or _BF16). x, y, residual
  * [M, N] (NULL: none; may be y) and norm_w are fp32 or bf16 (flags; residual as y), bias fp32
  * or NULL. Returns SPECDEC_OK, SPECDEC_ERR_INVALID_ARGUMENT (sizes off the tile grid, a missing
  * buffer, a tile of no format, norm and glu together) or SPECDEC_ERR_NO_MEMORY. */
@@ -368,10 +370,11 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
     if (!x || !tiles || !tile_offsets || !tile_bits || !y || m < 0 || k <= 0 || k % GROUP || n <= 0 ||
         n % TILE || (glu && norm_w))
         return SPECDEC_ERR_INVALID_ARGUMENT;
-    int grouped = 0, kquant = 0, b32 = 0; /* which activation quantizations the tiles need; any block32 tile */
+    int grouped = 0, kquant = 0, b32 = 0, floats = 0; /* which activations the tiles need; any block32 tile */
     for (int64_t t = 0; t < n / TILE; t++) {
         b32 |= is_block32(tile_bits[t]);
-        if (is_grouped(tile_bits[t])) grouped = 1;
+        if (is_float_kind(tile_bits[t])) floats = 1;
+        else if (is_grouped(tile_bits[t])) grouped = 1;
         else if (is_kquant(tile_bits[t])) kquant = 1;
         else return SPECDEC_ERR_INVALID_ARGUMENT;
     }
@@ -382,8 +385,9 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
     int8_t *xqs = kquant ? (int8_t *)malloc((size_t)(m * k) + 1) : NULL;
     struct super_consts *sc = kquant ? (struct super_consts *)malloc(sizeof(struct super_consts) * (size_t)(m * supers) + 1) : NULL;
     float *inv_rms = (float *)malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
-    if ((grouped && (!xq || !gc)) || (kquant && (!xqs || !sc)) || !inv_rms) {
-        free(xq), free(gc), free(xqs), free(sc), free(inv_rms);
+    float *xf = floats ? (float *)malloc(sizeof(float) * (size_t)(m * k) + 1) : NULL; /* fp32 activations */
+    if ((grouped && (!xq || !gc)) || (kquant && (!xqs || !sc)) || (floats && !xf) || !inv_rms) {
+        free(xq), free(gc), free(xqs), free(sc), free(inv_rms), free(xf);
         return SPECDEC_ERR_NO_MEMORY;
     }
     if (norm_w) {
@@ -399,6 +403,11 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
     }
     if (grouped) quantize_rows(x, x_bf16, m, k, glu, inv_rms, norm_w, norm_w_bf16, xq, gc, threads);
     if (kquant) quantize_rows_super(x, x_bf16, m, k, glu, inv_rms, norm_w, norm_w_bf16, xqs, sc, threads);
+    if (floats) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (m * k > (1 << 16))
+        for (int64_t idx = 0; idx < m * groups; idx++) /* group idx of xf's contiguous rows */
+            load_group(x, x_bf16, idx / groups, idx % groups, k, glu, inv_rms, norm_w, norm_w_bf16, xf + idx * GROUP);
+    }
 #pragma omp parallel num_threads(threads)
     {
         uint8_t *unpacked = NULL; /* many rows at AVX2 / AVX-VNNI: int4 tiles unpacked once (qgemm_tiles.h) */
@@ -420,6 +429,10 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
             const int64_t next_ahead = t + 1 < n / TILE ? tile_offsets[t + 1] - tile_offsets[t] : PREFETCH_BYTES;
             const int bits = tile_bits[t];
             int64_t row = 0;
+            if (is_float_kind(bits)) {
+                float_tile(tile, bits == SPECDEC_TILE_BF16, xf, k, m, bias, residual, y, y_bf16, n, t);
+                continue;
+            }
             if (is_kquant(bits)) {
                 if (bits == SPECDEC_TILE_Q4_K) kq_tile_q4_k(KQ_TILE_ARGS);
                 else if (bits == SPECDEC_TILE_Q5_K) kq_tile_q5_k(KQ_TILE_ARGS);
@@ -466,6 +479,6 @@ int qgemm(const void *x, int x_bf16, int64_t m, int64_t k, int glu, const uint8_
         }
         free(unpacked), free(kunpacked), free(b32u);
     }
-    free(xq), free(gc), free(xqs), free(sc), free(inv_rms);
+    free(xq), free(gc), free(xqs), free(sc), free(inv_rms), free(xf);
     return SPECDEC_OK;
 }

@@ -19,7 +19,7 @@ from specdec.kernel_abi import GROUP, SUPER, TILE, check_tensor
 from specdec.target.quant import kquant
 
 SOURCE = Path(__file__).with_name("qgemm.c")
-HEADERS = tuple(SOURCE.with_name(h) for h in ("qgemm_tiles.h", "kquant_tiles.h", "block32_tiles.h"))
+HEADERS = tuple(SOURCE.with_name(h) for h in ("qgemm_tiles.h", "kquant_tiles.h", "block32_tiles.h", "float_tiles.h"))
 
 
 def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:

@@ -437,14 +437,18 @@ def _untile(b: torch.Tensor) -> torch.Tensor:  # [g, 32] bytes -> [16, g] fp32
 
 def reference_qgemm(x: torch.Tensor, module: QLinear) -> torch.Tensor:
     """What the kernel computes, in torch: x quantized per row and group of 32 (per 256 for
-    Q4_K / Q6_K tiles), times the weights `dequantize` gives, in fp32 (the kernel matches it up to fp32
+    Q4_K / Q6_K tiles; fp32 for F16 / BF16 tiles), times the weights `dequantize` gives, in fp32 (the kernel matches it up to fp32
     rounding order)."""
     w = dequantize(module)  # [N, K]
     super_kinds = torch.tensor(sorted(kquant.SUPER_KINDS), dtype=module.tile_bits.dtype)
     kquant_cols = torch.isin(module.tile_bits, super_kinds)[:, None].expand(-1, TILE).reshape(-1)  # [N]
+    float_kinds = torch.tensor(sorted(kquant.FLOAT_KINDS), dtype=module.tile_bits.dtype)
+    float_cols = torch.isin(module.tile_bits, float_kinds)[:, None].expand(-1, TILE).reshape(-1)  # [N]
     y = _fake_quant(x, GROUP) @ w.t()
     if kquant_cols.any():
         y[:, kquant_cols] = _fake_quant(x, SUPER) @ w[kquant_cols].t()
+    if float_cols.any():  # F16 / BF16 tiles: the activations as they are
+        y[:, float_cols] = x.float() @ w[float_cols].t()
     return y if module.bias is None else y + module.bias
 
 

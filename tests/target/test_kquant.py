@@ -10,8 +10,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from specdec.kernel_abi import (TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q2_K, TILE_Q3_K, TILE_Q4_0, TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K,
-                                TILE_Q6_K, TILE_Q8_0)
+from specdec.kernel_abi import (TILE_BF16, TILE_F16, TILE_IQ4_NL, TILE_IQ4_XS, TILE_MXFP4, TILE_Q2_K, TILE_Q3_K, TILE_Q4_0,
+                                TILE_Q4_1, TILE_Q4_K, TILE_Q5_0, TILE_Q5_K, TILE_Q6_K, TILE_Q8_0)
 from specdec.target.quant import kquant, qgemm
 from specdec.target.quant.qlinear import QLinear, dequantize, fuse_qlinear, reference_qgemm
 
@@ -20,14 +20,22 @@ pytestmark = pytest.mark.skipif(
 )
 KINDS = {TILE_Q4_K: T.Q4_K, TILE_Q5_K: T.Q5_K, TILE_Q6_K: T.Q6_K, TILE_Q5_0: T.Q5_0, TILE_Q4_0: T.Q4_0,
          TILE_Q4_1: T.Q4_1, TILE_IQ4_NL: T.IQ4_NL, TILE_MXFP4: T.MXFP4,
-         TILE_IQ4_XS: T.IQ4_XS, TILE_Q3_K: T.Q3_K, TILE_Q2_K: T.Q2_K, TILE_Q8_0: T.Q8_0}
+         TILE_IQ4_XS: T.IQ4_XS, TILE_Q3_K: T.Q3_K, TILE_Q2_K: T.Q2_K, TILE_Q8_0: T.Q8_0, TILE_F16: T.F16,
+         TILE_BF16: T.BF16}
+BLOCK_KINDS = [kind for kind in KINDS if kind not in kquant.FLOAT_KINDS]  # integer codes: their sums can overflow
 
 
 def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random valid blocks `[rows, cols / inputs per block * block bytes]`: every quant code and
     sub-scale (Q8_0's -128 included), fp16 scales spread over four decades (gguf cannot quantize
-    to k-quants)."""
+    to k-quants). F16 / BF16: values over eight decades of either sign (F16's subnormals among
+    them) and zeros, as bytes."""
     rng = np.random.default_rng(seed)
+    if kind in kquant.FLOAT_KINDS:
+        values = rng.choice([-1, 1], (rows, cols)) * 10.0 ** rng.uniform(-7, 1, (rows, cols))
+        values[rng.random((rows, cols)) < 0.05] = 0.0
+        stored = values.astype(np.float16) if kind == TILE_F16 else gguf.quants.quantize(values.astype(np.float32), T.BF16)
+        return stored.view(np.uint8).reshape(rows, -1)
     count = cols // kquant.BLOCK_INPUTS[kind]
     blocks = rng.integers(0, 256, (rows, count, kquant.BLOCK_BYTES[kind]), dtype=np.uint8)
     scales = (10.0 ** rng.uniform(-5, -1, (rows, count, 2))).astype(np.float16)
@@ -52,7 +60,7 @@ def k_blocks(kind: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 def test_tiles_hold_exactly_the_files_weights_in_the_files_bytes(kind):
     raw = k_blocks(kind, 48, 768)
     q = QLinear.from_gguf(raw, kind, 768, None)
-    assert q.tiles.numel() == raw.nbytes  # 4.5 / 5.5 / 6.5625 / 5.5 / 4.5 / 5 / 4.5 / 4.25 / 4.25 / 3.4375 / 2.625 / 8.5 bits a weight, as the file
+    assert q.tiles.numel() == raw.nbytes  # 4.5 / 5.5 / 6.5625 / 5.5 / 4.5 / 5 / 4.5 / 4.25 / 4.25 / 3.4375 / 2.625 / 8.5 / 16 bits a weight, as the file
     expected = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind]))
     assert torch.equal(dequantize(q), expected)
 
@@ -78,7 +86,7 @@ def test_kernel_computes_the_product_with_its_activations(kind, dtype, rows, sim
     assert torch.equal(q(x), torch.cat([q(x[i : i + 1]) for i in range(rows)]))  # batch invariant
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("rows", [1, 4, 13])
 def test_the_largest_quants_and_activations_do_not_overflow_the_integer_sums(kind, rows, simd_level):
     """Every quant at its largest code and every activation +127 (the worst case of the int16 pair
@@ -153,8 +161,8 @@ def _tiny_gguf(tmp_path, monkeypatch, k_quants_only: bool, types: dict[str, str]
 
 
 def test_gguf_mode_reads_k_quant_tensors_as_stored(tmp_path, monkeypatch):
-    """Mode "gguf" on a GGUF of Q4_K / Q6_K / Q8_0 / Q5_0 / F16 tensors: the quantized ones become
-    tiles holding the file's values exactly, the F16 head "w4a8-auto" tiles, cached like any mode."""
+    """Mode "gguf" on a GGUF of Q4_K / Q6_K / Q8_0 / Q5_0 / F16 tensors: every one becomes tiles
+    holding the file's values exactly (the F16 head's 16-bit values too), so no cache file is written."""
     from specdec.target.model_weights import load_model
     from specdec.target.quant.cache_file import quant_cache_path
     from tests.target.test_gguf_streaming import _prompt_inputs
@@ -174,8 +182,9 @@ def test_gguf_mode_reads_k_quant_tensors_as_stored(tmp_path, monkeypatch):
     gate_up = getattr(mlp, "gate_up_proj", None)
     assert gate_up is not None and set(gate_up.tile_bits.tolist()) == {TILE_Q5_0, TILE_Q4_K}
     assert torch.equal(dequantize(gate_up), torch.cat([d.mlp.gate_proj.weight, d.mlp.up_proj.weight]))
-    assert set(model.lm_head.tile_bits.tolist()) <= {4, 8}  # F16: quantized here
-    assert quant_cache_path(folder, "gguf", torch.bfloat16).exists()
+    assert set(model.lm_head.tile_bits.tolist()) == {TILE_F16}  # the F16 head's values as stored
+    assert torch.equal(dequantize(model.lm_head), dense.lm_head.weight)
+    assert not quant_cache_path(folder, "gguf", torch.bfloat16).exists()  # nothing re-quantized: no cache
     assert model(*_prompt_inputs(model)).isfinite().all()
 
 
@@ -205,7 +214,7 @@ def test_k_quant_tensors_read_as_stored_and_a_type_without_a_kernel_is_named(tmp
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if " Q5_1 tensors" in x)
     assert "(mlp.gate_proj in 2 layers): no kernel yet" in line and "MB where the file holds" in line
-    assert "F16 tensor (lm_head): no kernel yet" in err
+    assert "F16" not in err  # the F16 head is read as stored
     assert model(*_prompt_inputs(model)).isfinite().all()
 
 
@@ -306,7 +315,7 @@ def test_an_embedding_lookup_reads_the_files_values_exactly(kind, dtype):
     raw = k_blocks(kind, 40, 512, seed=3)
     file = SimpleNamespace(tensors={"t": SimpleNamespace(ggml_type=int(KINDS[kind]), shape=(40, 512))}, raw=lambda name: raw)
     emb = GGUFEmbedding(file, "t", dtype)
-    assert emb._c_kind == kind
+    assert emb._c_kind == (None if kind in kquant.FLOAT_KINDS else kind)  # float rows: torch's conversion
     ids = torch.tensor([[0, 39, 5, 5], [17, 2, 0, 38]])
     expected = torch.from_numpy(gguf.quants.dequantize(raw, KINDS[kind])).to(dtype)[ids]
     assert torch.equal(emb(ids), expected)
