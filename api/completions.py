@@ -75,7 +75,7 @@ async def answer_chat(request: Request, state: ServerState, body: ChatCompletion
                       parse_tool_calls=tool_use.active, parse_reasoning=reasoning, starts_in_reasoning=starts,
                       tool_format=(state.tool_call_format or "hermes") if tool_use.active else "hermes",
                       tool_schemas={t.function.name: t.function.parameters or {} for t in tool_use.tools},
-                      harmony=is_harmony(state.tokenizer))
+                      harmony=is_harmony(state.tokenizer) or state.tool_call_format == "harmony")
     return await _generate(request, state, body, prompt_ids, fmt, "messages", tool_grammar)
 
 

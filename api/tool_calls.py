@@ -314,25 +314,26 @@ def _xml_argument(value: str, schema: Any) -> Any:
         return value
 
 
-def tool_call_parser(call_format: str = "hermes", schemas: dict[str, Any] | None = None) -> Any:
+def tool_call_parser(call_format: str = "hermes",
+                     schemas: dict[str, Any] | None = None) -> ToolCallParser | JsonCallsParser | XmlCallParser:
     """The parser of `call_format`'s calls (`schemas`: each function's parameters, which Qwen3-Coder's
-    untyped values are read by; harmony's parser also gives its answer's reasoning)."""
+    untyped values are read by). gpt-oss's harmony answers are read whole, reasoning and calls
+    together, by `specdec.api.harmony.HarmonyParser`."""
     if call_format == "hermes":
         return ToolCallParser()
     if call_format == "harmony":
-        from specdec.api.harmony import HarmonyParser  # it reads its calls with this module's events
-
-        return HarmonyParser()
+        raise ValueError("harmony answers are read by specdec.api.harmony.HarmonyParser")
     if call_format == "qwen3_coder":
         return XmlCallParser(schemas)
     return JsonCallsParser(call_format)
 
 
-def split_tool_calls(text: str, call_format: str = "hermes",
-                     schemas: dict[str, Any] | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+def split_tool_calls(text: str, call_format: str = "hermes", schemas: dict[str, Any] | None = None,
+                     parser: Any = None) -> tuple[str | None, list[dict[str, Any]]]:
     """(content or None, tool_calls as OpenAI returns them) of a whole answer: the complete calls
-    only; an unfinished one (cut off by max_tokens) is in neither."""
-    parser = tool_call_parser(call_format, schemas)
+    only; an unfinished one (cut off by max_tokens) is in neither. `parser`: one to read it with
+    instead of `call_format`'s (a `HarmonyParser`)."""
+    parser = parser if parser is not None else tool_call_parser(call_format, schemas)
     events = parser.feed(text) + parser.finish()
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls: list[dict[str, Any]] = []

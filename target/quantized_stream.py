@@ -84,7 +84,8 @@ def stream_quantized(
             else:
                 layers.convert_in_order(bar)
     if quant.file_blocks:
-        for line in layers.not_as_stored():
+        model.load_notices = layers.not_as_stored()  # kept in a cache file, and said again on its loads
+        for line in model.load_notices:
             print(f"specdec: {line}", file=sys.stderr, flush=True)
     return model, layers.seconds
 

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -71,8 +72,9 @@ def stale_siblings(path: Path) -> list[Path]:
 
 
 def save_quantized(model: nn.Module, path: Path) -> None:
-    """Write the model's state dict and quantization manifest atomically, then delete the file it
-    replaces (`stale_siblings`): without that, every layout change left gigabytes behind."""
+    """Write the model's state dict and quantization manifest (and `model.load_notices`, the load's
+    lines on what was re-quantized) atomically, then delete the file it replaces
+    (`stale_siblings`): without that, every layout change left gigabytes behind."""
     manifest = {name: kind for name, m in model.named_modules() if (kind := linear_kind(m)) != "dense"}
     in_gguf = {name: [m.gguf_name, str(m.dtype).removeprefix("torch.")]
                for name, m in model.named_modules() if isinstance(m, GGUFEmbedding)}
@@ -83,7 +85,8 @@ def save_quantized(model: nn.Module, path: Path) -> None:
     try:
         # one metadata entry: safetensors writes several in no fixed order, and the bytes of a
         # cache file are meant to be reproducible
-        save_file(state, tmp, metadata={"manifest": json.dumps({"linears": manifest, "in_gguf": in_gguf})})
+        described = {"linears": manifest, "in_gguf": in_gguf, "notices": list(getattr(model, "load_notices", ()))}
+        save_file(state, tmp, metadata={"manifest": json.dumps(described)})
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     finally:
@@ -95,10 +98,13 @@ def save_quantized(model: nn.Module, path: Path) -> None:
 
 def load_quantized(model: nn.Module, path: Path, gguf: Callable[[], GGUFFile] | None = None) -> nn.Module:
     """Fill a (meta-device) model from a cache file written by `save_quantized`; `gguf()` opens
-    the model's GGUF file where the cache left modules in it."""
+    the model's GGUF file where the cache left modules in it. The notices the first load printed
+    (`model.load_notices`: which GGUF types were re-quantized) are printed again."""
     with safe_open(str(path), framework="pt", device="cpu") as f:
         described = json.loads(f.metadata()["manifest"])
         manifest, in_gguf = described["linears"], described["in_gguf"]
+        for line in described.get("notices", ()):  # what the first load said of the file (mode gguf)
+            print(f"specdec: {line}", file=sys.stderr, flush=True)
         # Tensors read from the file view its mapping, which lives as long as any of them does.
         # Tiles are copied into the model's arena (`prepare_quantized`); everything else is
         # copied here, so the mapping, and the ~1.3 GB of the target's file pages it keeps

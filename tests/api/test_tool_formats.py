@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from specdec.api.harmony import HarmonyParser
 from specdec.api.tool_calls import split_tool_calls, tool_call_parser
 from specdec.api.tools import template_call_format
 from specdec.testing import TINY_CHAT_TEMPLATE, noisy_twin, tiny_pair, tiny_tokenizer
@@ -160,12 +161,16 @@ ANSWERS = [  # (format, answer, content, calls)
 ]
 
 
+def _parser(call_format: str):
+    return HarmonyParser() if call_format == "harmony" else tool_call_parser(call_format)
+
+
 @pytest.mark.parametrize("call_format,answer,content,calls", ANSWERS)
 def test_streamed_in_any_split_the_calls_are_the_whole_answers(call_format, answer, content, calls):
-    whole = split_tool_calls(answer, call_format)
+    whole = split_tool_calls(answer, parser=_parser(call_format))
     assert (whole[0], [(c["function"]["name"], c["function"]["arguments"]) for c in whole[1]]) == (content, calls)
     for cut in range(len(answer) + 1):
-        parser = tool_call_parser(call_format)
+        parser = _parser(call_format)
         events = parser.feed(answer[:cut]) + parser.feed(answer[cut:]) + parser.finish()
         text = "".join(getattr(e, "text", "") for e in events if type(e).__name__ == "ContentDelta")
         args = [""] * len(calls)  # harmony streams a call's arguments in pieces, the others whole
@@ -179,7 +184,8 @@ def test_a_call_cut_off_is_neither_content_nor_a_call():
     assert split_tool_calls('{"name": "f", "parameters": {"x": ', "llama3_json") == (None, [])
     assert split_tool_calls('[TOOL_CALLS][{"name": "f", "arg', "mistral") == (None, [])
     assert split_tool_calls("<tool_call>\n<function=f>\n<param", "qwen3_coder") == (None, [])
-    assert split_tool_calls('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": ', "harmony") == (None, [])
+    cut = '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"x": '
+    assert split_tool_calls(cut, parser=HarmonyParser()) == (None, [])
 
 
 def test_harmony_reasoning_is_its_analysis_channel():

@@ -216,6 +216,8 @@ def test_k_quant_tensors_read_as_stored_and_a_type_without_a_kernel_is_named(tmp
     assert "(mlp.gate_proj in 2 layers): no kernel yet" in line and "MB where the file holds" in line
     assert "F16" not in err  # the F16 head is read as stored
     assert model(*_prompt_inputs(model)).isfinite().all()
+    load_model(folder, torch.bfloat16, quant="gguf")  # from the cache file: the same notice again
+    assert line in capsys.readouterr().err
 
 
 def test_iq4_xs_iq4_nl_and_mxfp4_tensors_read_as_stored(tmp_path, monkeypatch):
