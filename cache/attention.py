@@ -181,11 +181,12 @@ def _plan_chunks(
         # (two requests arriving together) then answered differently from the same prompt alone
         # (measured: a HumanEval stream parted at its 169th greedy token, a 0.12-nat margin).
         seqs_per_chunk = 1
-    chunks = []
+    chunks, first_row = [], 0
     for b0 in range(0, meta.num_seqs, seqs_per_chunk):
         seq_lens = meta.seq_lens_cpu[b0 : b0 + seqs_per_chunk]
         query_lens = meta.query_lens_cpu[b0 : b0 + seqs_per_chunk]
         num_rows = sum(query_lens)
+        first_row, rows_from = first_row + num_rows, first_row
         if num_rows == 0:
             continue
         batch, max_q, max_kv = len(seq_lens), max(query_lens), max(seq_lens)
@@ -195,7 +196,8 @@ def _plan_chunks(
         rows = None if uniform else _padded_rows(query_lens, max_q, device)
         folded = max_q <= _FOLD_MAX_QUERY_LEN or capped
         chunk_window = window if window is not None and max_kv > window else None  # None: it hides nothing
-        causal = not folded and uniform and max_q == max_kv and chunk_window is None
+        tree = None if meta.tree_masks_cpu is None else meta.tree_masks_cpu[rows_from : rows_from + num_rows]
+        causal = not folded and uniform and max_q == max_kv and chunk_window is None and tree is None
         if max_q == 1 and all(s == max_kv for s in seq_lens) and chunk_window is None:
             mask = None  # one query per sequence at the end of equal-length keys: sees them all
         elif causal:
@@ -204,6 +206,8 @@ def _plan_chunks(
             mask = _causal_window_mask(
                 seq_lens, query_lens, max_q, max_kv, device, group if folded else 1, chunk_window
             )
+            if tree is not None:
+                mask = _tree_mask(mask, tree, seq_lens, query_lens, max_q)
         chunks.append(_Chunk(num_rows, batch, max_q, max_kv, block_ids, rows, mask, causal, folded))
     return chunks
 
@@ -343,6 +347,29 @@ def _causal_window_mask(
         padded = query_idx[None, :] >= torch.tensor(query_lens, device=device)[:, None]  # [B, G * max_q]
         visible[:, :, 0] |= padded
     return visible.unsqueeze(1)
+
+
+def _tree_mask(
+    mask: torch.Tensor,  # [B, 1, G * max_q, max_kv] bool: causal (and windowed)
+    tree: list[int],  # each flat row's window bits (`AttentionMetadata.tree_masks_cpu`)
+    seq_lens: list[int],
+    query_lens: list[int],
+    max_q: int,
+) -> torch.Tensor:  # [B, 1, G * max_q, max_kv] bool
+    """`mask` with each window's keys narrowed to the rows' tree bits: window row ``j`` of sequence
+    ``b`` (key ``seq_len - query_len + j``) visible to its row ``i`` iff bit ``j`` of ``i``'s mask."""
+    mask = mask.clone()
+    group = mask.shape[2] // max_q
+    bits = torch.arange(max_q, device=mask.device)  # [max_q]
+    row = 0
+    for b, (s, q) in enumerate(zip(seq_lens, query_lens)):
+        if q:
+            rows = torch.tensor(tree[row : row + q], dtype=torch.int64, device=mask.device)  # [q]
+            sees = ((rows[:, None] >> bits[None, :q]) & 1).bool()  # [q, q]: row i sees window row j
+            window = mask[b, 0].view(group, max_q, -1)[:, :q, s - q : s]  # [G, q, q] (a view)
+            window &= sees
+        row += q
+    return mask
 
 
 def check_backend(backend: str, device: torch.device | str) -> None:

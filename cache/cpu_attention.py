@@ -290,6 +290,8 @@ def attention_descriptor(
     check_tensor("meta.block_tables", meta.block_tables, (torch.int32,), (b, meta.block_tables.shape[-1]))
     check_tensor("meta.seq_lens", meta.seq_lens, (torch.int32,), (b,))
     check_tensor("meta.query_start_loc", meta.query_start_loc, (torch.int32,), (b + 1,))
+    if meta.tree_masks is not None:
+        check_tensor("meta.tree_masks", meta.tree_masks, (torch.int64,), (t,))
     rope = positions is not None
     if rope:
         if cos is None or signed_sin is None:
@@ -306,4 +308,5 @@ def attention_descriptor(
         block_tables=meta.block_tables.data_ptr(), max_blocks=meta.block_tables.shape[-1],
         num_blocks=num_blocks, seq_lens=meta.seq_lens.data_ptr(), query_start_loc=meta.query_start_loc.data_ptr(),
         num_seqs=b, block_size=block_size, hq=num_q_heads, hkv=num_kv_heads, d=head_dim,
+        tree_masks=meta.tree_masks.data_ptr() if meta.tree_masks is not None else None,
     )

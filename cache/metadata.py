@@ -28,6 +28,11 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
     backend: str = "auto"  # the engine's attention_backend (`attention.paged_attention`)
+    # A token tree's windows (`tree_masks`): per flat row, the rows of its own window it sees, bit j
+    # for window row j (its ancestors and itself); None: every window causal. A row that is no
+    # tree's has the causal bits (1 << (i + 1)) - 1; windows of up to 64 rows.
+    tree_masks_cpu: list[int] | None = None
+    tree_masks: torch.Tensor | None = None  # [T] int64, the same bits (a device copy for the kernels)
     # A padded static step's (`target.static_step`): the metadata of its real rows and sequences,
     # what backends reading host lengths attend with (the rows past it are padding); None: unpadded
     real: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
@@ -114,3 +119,42 @@ def compact_blocks(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMeta
     ids, inverse = torch.unique(meta.block_tables, return_inverse=True)
     return ids.long(), replace(meta, block_tables=inverse.to(torch.int32), scratch={})
 
+
+MAX_TREE_ROWS = 64  # window rows a tree mask covers: one int64 of bits a row
+
+
+def tree_masks(parents: list[int]) -> list[int]:
+    """The window rows each node of a token tree sees: node ``i`` (window row ``i``, after its
+    parent ``parents[i] < i``; -1 for a node under the cached prefix alone) sees its ancestors
+    and itself. A chain ``[-1, 0, 1]`` gives the causal bits.
+
+    >>> [bin(m) for m in tree_masks([-1, 0, 0, 1])]
+    ['0b1', '0b11', '0b101', '0b1011']
+    """
+    if len(parents) > MAX_TREE_ROWS:
+        raise ValueError(f"a tree mask covers at most {MAX_TREE_ROWS} rows, got {len(parents)}")
+    masks: list[int] = []
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i}'s parent must be an earlier row or -1, got {parent}")
+        masks.append((masks[parent] if parent >= 0 else 0) | 1 << i)
+    return masks
+
+
+def with_tree(meta: AttentionMetadata, parents: list[list[int] | None]) -> AttentionMetadata:
+    """`meta` with sequence ``b``'s window a token tree of ``parents[b]`` (`tree_masks`; None: its
+    window stays causal). Each tree has its window's length."""
+    if len(parents) != meta.num_seqs:
+        raise ValueError(f"one parents list (or None) a sequence: {meta.num_seqs}, got {len(parents)}")
+    rows: list[int] = []
+    for b, (tree, query_len) in enumerate(zip(parents, meta.query_lens_cpu)):
+        if tree is not None and len(tree) != query_len:
+            raise ValueError(f"sequence {b}'s tree has {len(tree)} nodes for a window of {query_len} rows")
+        if tree is None and query_len > MAX_TREE_ROWS:
+            raise ValueError(f"a step with a tree takes windows of at most {MAX_TREE_ROWS} rows, got {query_len}")
+        rows += tree_masks(tree if tree is not None else list(range(-1, query_len - 1)))
+    # the masks as int64: bit 63 is the sign bit
+    device = meta.seq_lens.device
+    signed = [m - (1 << 64) if m >= 1 << 63 else m for m in rows]
+    return replace(meta, tree_masks_cpu=rows, tree_masks=torch.tensor(signed, dtype=torch.int64, device=device),
+                   scratch={})

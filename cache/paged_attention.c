@@ -7,7 +7,9 @@
  *      sum, exactly as `apply_rope` does in bf16);
  *   2. writes each row's key and value heads into its cache slot;
  *   3. attends: query row i of sequence b sits at position seq_len_b - query_len_b + i and sees
- *      keys 0..that position, read in place through the block table (nothing gathered or padded).
+ *      keys 0..that position, read in place through the block table (nothing gathered or padded);
+ *      with a->tree_masks (a token tree's window), of the window's keys only those whose bit is
+ *      set in the row's mask (its ancestors and itself).
  *
  * Attention runs in fp32 with an online softmax over chunks of 16 keys (one 16-lane exp per
  * chunk) and rounds the output to bf16. Written on `simd.h`'s 16-lane vectors, so the AVX-512
@@ -62,7 +64,7 @@ static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, 
 static inline __attribute__((always_inline)) void attend_heads(
         const float *q, const int64_t g, int64_t num_keys, int64_t dk, int64_t dv, const uint16_t *k_cache,
         const uint16_t *v_cache, const int32_t *blocks, int64_t block_size, int64_t slot_stride, float scale,
-        float *acc, uint16_t *out) {
+        int64_t tree_start, uint64_t tree, float *acc, uint16_t *out) {
     const int64_t kvecs = dk / 16, vecs = dv / 16, d = dv; /* acc and out rows are dv wide */
     float max[GROUP_MAX], sum[GROUP_MAX], rescale[GROUP_MAX], s[GROUP_MAX][KEYS];
     vf a[GROUP_MAX], dot[GROUP_MAX];
@@ -78,6 +80,7 @@ static inline __attribute__((always_inline)) void attend_heads(
     for (int64_t j0 = 0; j0 < num_keys; j0 += KEYS) {
         const int64_t n = num_keys - j0 < KEYS ? num_keys - j0 : KEYS;
         int64_t offs[KEYS];
+        int hidden[KEYS]; /* a key of the window that is not the row's ancestor (a token tree) */
         for (int64_t j = 0; j < n; j++) {
             offs[j] = ((int64_t)blocks[block] * block_size + in_block) * slot_stride;
             if (++in_block == block_size) in_block = 0, block++;
@@ -97,6 +100,9 @@ static inline __attribute__((always_inline)) void attend_heads(
                 for (int64_t h = 0; h < g; h++) dot[h] = vf_fmadd(vf_load(q + h * dk + 16 * v), kv, dot[h]);
             }
             for (int64_t h = 0; h < g; h++) s[h][j] = vf_reduce_add(dot[h]) * scale;
+            const int64_t w = j0 + j - tree_start; /* the key's window row, where it is one */
+            hidden[j] = w >= 0 && !((tree >> w) & 1);
+            for (int64_t h = 0; h < g; h++) s[h][j] = hidden[j] ? -INFINITY : s[h][j];
         }
         for (int64_t h = 0; h < g; h++) {
             for (int64_t j = n; j < KEYS; j++) s[h][j] = -INFINITY; /* a short last chunk */
@@ -104,8 +110,9 @@ static inline __attribute__((always_inline)) void attend_heads(
             const float chunk_max = vf_reduce_max(sv);
             const float new_max = chunk_max > max[h] ? chunk_max : max[h];
             rescale[h] = max[h] == -INFINITY ? 0.0f : expf(max[h] - new_max);
-            vf_store(s[h], vf_exp(vf_sub(sv, vf_set1(new_max))));
+            vf_store(s[h], vf_exp(vf_sub(sv, vf_set1(new_max == -INFINITY ? 0.0f : new_max))));
             for (int64_t j = n; j < KEYS; j++) s[h][j] = 0.0f; /* e^-inf: vf_exp holds its input to -87 */
+            for (int64_t j = 0; j < n; j++) s[h][j] = hidden[j] ? 0.0f : s[h][j];
             sum[h] = sum[h] * rescale[h] + vf_reduce_add(vf_load(s[h]));
             max[h] = new_max;
         }
@@ -127,9 +134,11 @@ static inline __attribute__((always_inline)) void attend_heads(
 /* attend_heads with g (1..GROUP_MAX) a constant in each body. */
 static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t dk, int64_t dv,
                          const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *blocks,
-                         int64_t block_size, int64_t slot_stride, float scale, float *acc, uint16_t *out) {
+                         int64_t block_size, int64_t slot_stride, float scale, int64_t tree_start, uint64_t tree,
+                         float *acc, uint16_t *out) {
 #define ATTEND_HEADS(G) \
-    case G: attend_heads(q, G, num_keys, dk, dv, k_cache, v_cache, blocks, block_size, slot_stride, scale, acc, out); break
+    case G: attend_heads(q, G, num_keys, dk, dv, k_cache, v_cache, blocks, block_size, slot_stride, scale, \
+                         tree_start, tree, acc, out); break
     switch (g) {
         ATTEND_HEADS(1); ATTEND_HEADS(2); ATTEND_HEADS(3); ATTEND_HEADS(4);
         ATTEND_HEADS(5); ATTEND_HEADS(6); ATTEND_HEADS(7); ATTEND_HEADS(8);
@@ -225,8 +234,8 @@ int rope_write_attend(const struct specdec_attention *a, uint16_t *qkv, int64_t 
             for (int64_t v = 0; v < g * d / 16; v++) vf_store(q + 16 * v, vf_load_bf16(qp + 16 * v));
             const int64_t kv_head = h / (hq / hkv);
             attend_group(q, g, num_keys, d, d, k_cache + kv_head * d, v_cache + kv_head * d,
-                         block_tables + b * max_blocks, block_size, kv_width, scale, acc,
-                         out + t * hq * d + h * d);
+                         block_tables + b * max_blocks, block_size, kv_width, scale, seq_lens[b] - query_len,
+                         a->tree_masks ? (uint64_t)a->tree_masks[t] : ~(uint64_t)0, acc, out + t * hq * d + h * d);
         }
     }
     return SPECDEC_OK;
@@ -270,7 +279,8 @@ int latent_attend(const struct specdec_attention *a, const uint16_t *q, const ui
             const uint16_t *qp = q + (t * hq + h) * d;
             for (int64_t v = 0; v < g * d / 16; v++) vf_store(qf + 16 * v, vf_load_bf16(qp + 16 * v));
             attend_group(qf, g, num_keys, d, dv, cache, cache, block_tables + b * max_blocks, block_size, d, scale,
-                         acc, out + (t * hq + h) * dv);
+                         seq_lens[b] - query_len, a->tree_masks ? (uint64_t)a->tree_masks[t] : ~(uint64_t)0, acc,
+                         out + (t * hq + h) * dv);
         }
     }
     return SPECDEC_OK;

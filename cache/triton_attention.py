@@ -71,6 +71,7 @@ def paged_attention_triton(
         paged_attention_kernel[grid](
             query, k_cache, v_cache, out,
             meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.tree_masks if meta.tree_masks is not None else meta.seq_lens,  # (unread without a tree)
             float(scale), float(k_scale), float(v_scale), int(window or 0), float(softcap or 0.0),
             query.stride(0), query.stride(1),
             out.stride(0), out.stride(1),
@@ -91,6 +92,7 @@ def paged_attention_triton(
             DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
             HAS_WINDOW=window is not None,
             HAS_SOFTCAP=softcap is not None,
+            HAS_TREE=meta.tree_masks is not None,
         )  # fmt: skip
     return out
 

@@ -19,6 +19,7 @@ def paged_attention_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B+1] int32
+    tree_ptr,  # [T] int64 (read when HAS_TREE): each row's visible window rows, bit j for row j
     scale,
     k_scale,
     v_scale,
@@ -47,6 +48,7 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 dots ("tf32" applies to fp32 inputs only)
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     """One program: BLOCK_M query tokens x the GROUP query heads sharing one KV head.
 
@@ -76,6 +78,8 @@ def paged_attention_kernel(
         if UPCAST_DOT:
             q = q.to(tl.float32)
         q_pos = context + q_idx  # [R] absolute position of each query
+        if HAS_TREE:
+            tree = tl.load(tree_ptr + q_rows, mask=row_valid, other=-1)  # [R] int64 window bits
 
         # Finite start so fully masked (padding) rows never produce inf - inf.
         m_i = tl.full([BLOCK_M * GROUP_PAD], -1.0e30, tl.float32)  # [R]
@@ -113,6 +117,10 @@ def paged_attention_kernel(
             visible = (pos[None, :] <= q_pos[:, None]) & pos_valid[None, :]
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] > q_pos[:, None] - window)
+            if HAS_TREE:  # a window key sits at window row pos - context: visible if its bit is set
+                w = tl.minimum(tl.maximum(pos - context, 0), 63).to(tl.int64)  # [Nt]
+                bit = (tree[:, None] >> w[None, :]) & 1
+                visible = visible & ((pos[None, :] < context) | (bit == 1))
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)

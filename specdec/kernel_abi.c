@@ -70,6 +70,7 @@ static const struct specdec_abi_entry LAYOUT[] = {
     FIELD(specdec_attention, hq),
     FIELD(specdec_attention, hkv),
     FIELD(specdec_attention, d),
+    FIELD(specdec_attention, tree_masks),
     SIZE(specdec_group),
     FIELD(specdec_group, region),
     FIELD(specdec_group, rank),

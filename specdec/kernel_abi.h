@@ -9,7 +9,7 @@
 
 #include <stdint.h>
 
-#define SPECDEC_ABI_VERSION 11
+#define SPECDEC_ABI_VERSION 12
 #define SPECDEC_GROUP 32          /* qgemm: inputs per weight / activation group */
 #define SPECDEC_TILE 16           /* qgemm: output channels per weight tile */
 #define SPECDEC_SUPER 256         /* qgemm: inputs per k-quant super-block */
@@ -98,6 +98,7 @@ struct specdec_attention {
     const int32_t *seq_lens;        /* [num_seqs] */
     const int32_t *query_start_loc; /* [num_seqs + 1] */
     int64_t num_seqs, block_size, hq, hkv, d;
+    const int64_t *tree_masks;      /* [T]: the window rows each row sees (bit j: row j), or NULL: causal */
 };
 
 /* A tensor-parallel group on one machine (see group_allreduce): the shared region, this rank, and

@@ -14,7 +14,7 @@ import enum
 
 import torch
 
-ABI_VERSION = 11  # kernel_abi.h SPECDEC_ABI_VERSION
+ABI_VERSION = 12  # kernel_abi.h SPECDEC_ABI_VERSION
 GROUP = 32  # SPECDEC_GROUP: inputs per qgemm weight / activation group
 TILE = 16  # SPECDEC_TILE: output channels per qgemm weight tile
 SUPER = 256  # SPECDEC_SUPER: inputs per k-quant super-block
@@ -137,7 +137,7 @@ class Attention(ctypes.Structure):
     _fields_ = [("positions", _P), ("cos", _P), ("signed_sin", _P), ("num_positions", _I64),
                 ("num_slots", _I64), ("slots", _P), ("block_tables", _P), ("max_blocks", _I64),
                 ("num_blocks", _I64), ("seq_lens", _P), ("query_start_loc", _P), ("num_seqs", _I64),
-                ("block_size", _I64), ("hq", _I64), ("hkv", _I64), ("d", _I64)]
+                ("block_size", _I64), ("hq", _I64), ("hkv", _I64), ("d", _I64), ("tree_masks", _P)]
 
 
 class Group(ctypes.Structure):

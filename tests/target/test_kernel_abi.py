@@ -128,7 +128,7 @@ class Attention(ctypes.Structure):  # struct specdec_attention without its last 
     "structures, constants, expected",
     [
         ((Linear,), kernel_abi.CONSTANTS, r"specdec_linear\.in_features: C \(24, 8\), Python \(24, 4\)"),
-        ((Attention,), kernel_abi.CONSTANTS, r"specdec_attention\.d: C \(120, 8\), Python missing"),
+        ((Attention,), kernel_abi.CONSTANTS, r"specdec_attention\.tree_masks: C \(128, 8\), Python missing"),
         ((), {**kernel_abi.CONSTANTS, "SPECDEC_ERR_SLOT": 9}, r"constant\.SPECDEC_ERR_SLOT: C \(4, 0\), Python \(9, 0\)"),
     ],
     ids=["field-type", "missing-field", "status-code"],
