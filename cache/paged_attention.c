@@ -64,7 +64,7 @@ static void rope_heads(uint16_t *x, int64_t heads, int64_t d, const float *cos, 
 static inline __attribute__((always_inline)) void attend_heads(
         const float *q, const int64_t g, int64_t num_keys, int64_t dk, int64_t dv, const uint16_t *k_cache,
         const uint16_t *v_cache, const int32_t *blocks, int64_t block_size, int64_t slot_stride, float scale,
-        int64_t tree_start, uint64_t tree, float *acc, uint16_t *out) {
+        const int use_tree, int64_t tree_start, uint64_t tree, float *acc, uint16_t *out) {
     const int64_t kvecs = dk / 16, vecs = dv / 16, d = dv; /* acc and out rows are dv wide */
     float max[GROUP_MAX], sum[GROUP_MAX], rescale[GROUP_MAX], s[GROUP_MAX][KEYS];
     vf a[GROUP_MAX], dot[GROUP_MAX];
@@ -100,9 +100,15 @@ static inline __attribute__((always_inline)) void attend_heads(
                 for (int64_t h = 0; h < g; h++) dot[h] = vf_fmadd(vf_load(q + h * dk + 16 * v), kv, dot[h]);
             }
             for (int64_t h = 0; h < g; h++) s[h][j] = vf_reduce_add(dot[h]) * scale;
-            const int64_t w = j0 + j - tree_start; /* the key's window row, where it is one */
-            hidden[j] = w >= 0 && !((tree >> w) & 1);
-            for (int64_t h = 0; h < g; h++) s[h][j] = hidden[j] ? -INFINITY : s[h][j];
+        }
+        /* a token tree's window: its keys that are not the row's ancestors take no part */
+        const int masked = use_tree && j0 + n > tree_start;
+        if (masked) {
+            for (int64_t j = 0; j < n; j++) {
+                const int64_t w = j0 + j - tree_start; /* the key's window row, where it is one */
+                hidden[j] = w >= 0 && !((tree >> w) & 1);
+                for (int64_t h = 0; h < g; h++) s[h][j] = hidden[j] ? -INFINITY : s[h][j];
+            }
         }
         for (int64_t h = 0; h < g; h++) {
             for (int64_t j = n; j < KEYS; j++) s[h][j] = -INFINITY; /* a short last chunk */
@@ -110,9 +116,11 @@ static inline __attribute__((always_inline)) void attend_heads(
             const float chunk_max = vf_reduce_max(sv);
             const float new_max = chunk_max > max[h] ? chunk_max : max[h];
             rescale[h] = max[h] == -INFINITY ? 0.0f : expf(max[h] - new_max);
-            vf_store(s[h], vf_exp(vf_sub(sv, vf_set1(new_max == -INFINITY ? 0.0f : new_max))));
+            const float shift = use_tree && new_max == -INFINITY ? 0.0f : new_max; /* a tree's chunk all hidden */
+            vf_store(s[h], vf_exp(vf_sub(sv, vf_set1(shift))));
             for (int64_t j = n; j < KEYS; j++) s[h][j] = 0.0f; /* e^-inf: vf_exp holds its input to -87 */
-            for (int64_t j = 0; j < n; j++) s[h][j] = hidden[j] ? 0.0f : s[h][j];
+            if (masked)
+                for (int64_t j = 0; j < n; j++) s[h][j] = hidden[j] ? 0.0f : s[h][j];
             sum[h] = sum[h] * rescale[h] + vf_reduce_add(vf_load(s[h]));
             max[h] = new_max;
         }
@@ -136,12 +144,20 @@ static void attend_group(const float *q, int64_t g, int64_t num_keys, int64_t dk
                          const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *blocks,
                          int64_t block_size, int64_t slot_stride, float scale, int64_t tree_start, uint64_t tree,
                          float *acc, uint16_t *out) {
-#define ATTEND_HEADS(G) \
+/* a body per g, and per window kind: causal (tree all ones: no mask code at all) or a tree */
+#define ATTEND_HEADS(G, TREE) \
     case G: attend_heads(q, G, num_keys, dk, dv, k_cache, v_cache, blocks, block_size, slot_stride, scale, \
-                         tree_start, tree, acc, out); break
-    switch (g) {
-        ATTEND_HEADS(1); ATTEND_HEADS(2); ATTEND_HEADS(3); ATTEND_HEADS(4);
-        ATTEND_HEADS(5); ATTEND_HEADS(6); ATTEND_HEADS(7); ATTEND_HEADS(8);
+                         TREE, tree_start, tree, acc, out); break
+    if (tree == ~(uint64_t)0) {
+        switch (g) {
+            ATTEND_HEADS(1, 0); ATTEND_HEADS(2, 0); ATTEND_HEADS(3, 0); ATTEND_HEADS(4, 0);
+            ATTEND_HEADS(5, 0); ATTEND_HEADS(6, 0); ATTEND_HEADS(7, 0); ATTEND_HEADS(8, 0);
+        }
+    } else {
+        switch (g) {
+            ATTEND_HEADS(1, 1); ATTEND_HEADS(2, 1); ATTEND_HEADS(3, 1); ATTEND_HEADS(4, 1);
+            ATTEND_HEADS(5, 1); ATTEND_HEADS(6, 1); ATTEND_HEADS(7, 1); ATTEND_HEADS(8, 1);
+        }
     }
 #undef ATTEND_HEADS
 }
