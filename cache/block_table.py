@@ -98,6 +98,30 @@ class BlockTable:
             self.pool.free(self.block_ids[num_keep:])
             del self.block_ids[num_keep:]
 
+    def keep_tree_path(self, window_start: int, path: list[int]) -> tuple[list[int], list[int]]:
+        """After a token tree's window (positions ``window_start..``, row ``r`` at position
+        ``window_start + r``) kept its root and the accepted rows ``path`` (increasing, each under
+        the one before it): roll back to the root and the path, ``window_start + 1 + len(path)``
+        tokens. Returns ``(src, dst)``, the slots whose KV the caller moves (`PagedKVCache.copy_slots`)
+        so path row ``path[i]``'s KV sits at position ``window_start + 1 + i``; rows already in
+        place are left out.
+
+        >>> table = BlockTable(BlockPool(4), block_size=4)
+        >>> table.ensure_slots(8); table.num_computed = 8     # prefix 0..2, a tree of 5 rows at 3..7
+        True
+        >>> table.keep_tree_path(3, [2, 4])                   # rows 2 and 4 -> positions 4 and 5
+        ([5, 7], [4, 5])
+        >>> table.num_computed, len(table.block_ids)
+        (6, 2)
+        """
+        if any(not a < b for a, b in zip([0, *path], path)):
+            raise ValueError(f"a tree path's rows increase from row 1, got {path}")
+        end = window_start + 1 + (path[-1] if path else 0)
+        slots = self.slot_mapping(window_start, end)
+        moves = [(slots[r], slots[i + 1]) for i, r in enumerate(path) if r != i + 1]
+        self.truncate(window_start + 1 + len(path))
+        return [a for a, _ in moves], [b for _, b in moves]
+
     def slot_mapping(self, start: int, end: int) -> list[int]:
         """Flat cache slots of positions ``start..end-1`` (``block_ids[p // S] * S + p % S``)."""
         if not 0 <= start <= end:

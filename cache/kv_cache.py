@@ -127,6 +127,21 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Every layer's KV at slots ``src`` copied to slots ``dst`` (the sources read before any is
+        written, so they may overlap): a token tree's accepted path moved to the slots of the
+        positions it now holds (`keep_tree_path`)."""
+        if len(src) != len(dst):
+            raise ValueError(f"src and dst differ in length: {len(src)} and {len(dst)}")
+        slots = self.num_blocks * self.block_size
+        if any(not 0 <= x < slots for x in (*src, *dst)):
+            raise ValueError(f"slots must be in 0..{slots - 1}")
+        if not src:
+            return
+        flat = self.kv.view(self.spec.num_layers, self.spec.planes, slots, *self.kv.shape[4:])  # [L, P, N*S, H, D]
+        index = lambda x: torch.tensor(x, dtype=torch.int64, device=self.kv.device)  # noqa: E731
+        flat.index_copy_(2, index(dst), flat.index_select(2, index(src)))
+
     def make_resident(self) -> None:
         """Map every page of the cache now (zeros: call it before any block holds KV). The pages
         of a fresh cache are mapped on first write, a page fault each: bursts of blocks written at
