@@ -66,9 +66,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "activations int8 per group of 32, on specdec's C kernel (AVX2 or better); w4a8: "
                         "int4 everywhere on that kernel; gguf: a GGUF's Q4_K / Q5_K / Q6_K / Q3_K / Q2_K / IQ4_XS / Q4_0 / Q4_1 / Q5_0 / IQ4_NL / MXFP4 / Q8_0 / F16 / BF16 tensors read as stored "
                         "on that kernel, w4a8-auto for the rest); cached after first use where anything "
-                        "was re-quantized. Default: see README")
+                        "was re-quantized. Default, on the CPU in bf16 where the kernel runs: gguf (a target that is "
+                        "no GGUF: w4a8-auto); without the kernel w8a8; elsewhere none")
     g.add_argument("--draft-quant", choices=QUANT_MODES, default=None,
-                   help="the same for the draft model. Default: see README")
+                   help="the same for the draft model. Default: gguf for a GGUF draft where the kernel runs, "
+                        "else w4a8; without the kernel int4+w8a8; elsewhere none")
     g.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together")
     g.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
     g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
