@@ -119,7 +119,7 @@ FAMILIES = {
     "Qwen2MoeForCausalLM": ("Qwen2-MoE / Qwen1.5-MoE", "MoE + a shared expert (sigmoid gate)", "qwen2moe"),
     "MixtralForCausalLM": ("Mixtral", "MoE: top 2 of 8, renormalized", "llama (with experts)"),
     "GptOssForCausalLM": ("gpt-oss (20b, 120b)", "MoE with biases, clamped SwiGLU; sinks, alternating windows", "gpt-oss (MXFP4 read)"),
-    "OlmoeForCausalLM": ("OLMoE", "MoE, whole-width q/k norms, qkv clipping", ""),
+    "OlmoeForCausalLM": ("OLMoE", "MoE, whole-width q/k norms, qkv clipping", "olmoe"),
     "DeepseekV2ForCausalLM": ("DeepSeek-V2 / V2-Lite", "MLA (latent KV cache) + MoE with shared experts", "deepseek2"),
     "DeepseekV3ForCausalLM": ("DeepSeek-V3 / R1 / Kimi-K2-style", "MLA + MoE: sigmoid, grouped, bias-chosen", "deepseek2"),
 }
