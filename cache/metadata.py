@@ -29,10 +29,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     backend: str = "auto"  # the engine's attention_backend (`attention.paged_attention`)
     # A token tree's windows (`tree_masks`): per flat row, the rows of its own window it sees, bit j
-    # for window row j (its ancestors and itself); None: every window causal. A row that is no
-    # tree's has the causal bits (1 << (i + 1)) - 1; windows of up to 64 rows.
-    tree_masks_cpu: list[int] | None = None
-    tree_masks: torch.Tensor | None = None  # [T] int64, the same bits (a device copy for the kernels)
+    # for window row j (its ancestors and itself); None: every window causal. A tree has up to 64
+    # rows; a row of a window that is no tree's has every bit set (causal, any length).
+    tree_masks_cpu: list[int] | None = None  # as int64 values (bit 63 the sign bit)
+    tree_masks: torch.Tensor | None = None  # [T] int64, the same (a device copy for the kernels)
     # A padded static step's (`target.static_step`): the metadata of its real rows and sequences,
     # what backends reading host lengths attend with (the rows past it are padding); None: unpadded
     real: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
@@ -121,6 +121,7 @@ def compact_blocks(meta: AttentionMetadata) -> tuple[torch.Tensor, AttentionMeta
 
 
 MAX_TREE_ROWS = 64  # window rows a tree mask covers: one int64 of bits a row
+ALL_ROWS = -1  # the mask of a row that is no tree's, every bit set: causal (its later rows are never read)
 
 
 def tree_masks(parents: list[int]) -> list[int]:
@@ -143,18 +144,15 @@ def tree_masks(parents: list[int]) -> list[int]:
 
 def with_tree(meta: AttentionMetadata, parents: list[list[int] | None]) -> AttentionMetadata:
     """`meta` with sequence ``b``'s window a token tree of ``parents[b]`` (`tree_masks`; None: its
-    window stays causal). Each tree has its window's length."""
+    window stays causal, whatever its length: a prompt chunk beside a tree). Each tree has its
+    window's length."""
     if len(parents) != meta.num_seqs:
         raise ValueError(f"one parents list (or None) a sequence: {meta.num_seqs}, got {len(parents)}")
     rows: list[int] = []
     for b, (tree, query_len) in enumerate(zip(parents, meta.query_lens_cpu)):
         if tree is not None and len(tree) != query_len:
             raise ValueError(f"sequence {b}'s tree has {len(tree)} nodes for a window of {query_len} rows")
-        if tree is None and query_len > MAX_TREE_ROWS:
-            raise ValueError(f"a step with a tree takes windows of at most {MAX_TREE_ROWS} rows, got {query_len}")
-        rows += tree_masks(tree if tree is not None else list(range(-1, query_len - 1)))
-    # the masks as int64: bit 63 is the sign bit
-    device = meta.seq_lens.device
-    signed = [m - (1 << 64) if m >= 1 << 63 else m for m in rows]
-    return replace(meta, tree_masks_cpu=rows, tree_masks=torch.tensor(signed, dtype=torch.int64, device=device),
-                   scratch={})
+        rows += tree_masks(tree) if tree is not None else [ALL_ROWS] * query_len
+    signed = [m - (1 << 64) if m >= 1 << 63 else m for m in rows]  # as int64: bit 63 is the sign bit
+    return replace(meta, tree_masks_cpu=signed, scratch={},
+                   tree_masks=torch.tensor(signed, dtype=torch.int64, device=meta.seq_lens.device))

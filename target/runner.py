@@ -10,6 +10,7 @@ from specdec.cache import (
     AttentionMetadata, BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata,
 )
 from specdec.cache.attention import check_backend
+from specdec.cache.metadata import with_tree
 from specdec.target.model import LlamaForCausalLM
 from specdec.target.moe import SparseMoE
 from specdec.target.quant.decoder_stack import NativeDecoderStack, attach_moe
@@ -24,11 +25,16 @@ class Window:
 
     The runner keeps logits for the last `num_logits` rows of the window (1 for prefill or plain
     decoding, k+1 for verification, 0 for a pure cache fill).
+
+    >>> Window(table, [7, 5, 3, 9], 4, parents=[-1, 0, 0, 1])   # doctest: +SKIP  (5 and 3 after 7, 9 after 5)
     """
 
     table: BlockTable
     token_ids: list[int] | torch.Tensor  # a device tensor avoids a host sync in the draft loop
     num_logits: int = 1
+    # a token tree's window: each row's parent row (-1: under the cached prefix alone), each row at
+    # position start + its depth and attending to its ancestors only (`cache.metadata.with_tree`)
+    parents: list[int] | None = None
 
 
 @dataclass
@@ -160,7 +166,8 @@ class ModelRunner:
         Each table must already have slots for its window (`ensure_slots`); its `num_computed`
         advances past the window.
         """
-        if self.static_steps is not None and (logits := self.static_steps.run(windows)) is not None:
+        trees = any(w.parents is not None for w in windows)
+        if not trees and self.static_steps is not None and (logits := self.static_steps.run(windows)) is not None:
             return self._fit_vocab(logits)  # the tables advanced as they were filled in
         step = self.prepare(windows)
         logits = self.run_step(step)
@@ -182,10 +189,12 @@ class ModelRunner:
         positions, logits_indices = [], []
         offset = 0
         for w, start, end in zip(windows, starts, ends):
-            positions.extend(range(start, end))
+            positions.extend(range(start, end) if w.parents is None else (start + d for d in _depths(w.parents)))
             offset += end - start
             logits_indices.extend(range(offset - w.num_logits, offset))
         meta = build_attention_metadata([w.table for w in windows], starts, ends, self.device)
+        if any(w.parents is not None for w in windows):
+            meta = with_tree(meta, [w.parents for w in windows])
         meta.backend = self.attention_backend
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return Step(self._input_ids(windows), as_tensor(positions), meta, as_tensor(logits_indices), ends)
@@ -210,3 +219,13 @@ class ModelRunner:
         if self.output_vocab > self.model_vocab:  # padding ids the model has no embedding for
             ids = torch.where(ids < self.model_vocab, ids, torch.zeros_like(ids))
         return ids
+
+
+def _depths(parents: list[int]) -> list[int]:
+    """Each tree row's depth (a root under the cached prefix: 0), so its position is start + depth."""
+    depths: list[int] = []
+    for row, parent in enumerate(parents):
+        if not -1 <= parent < row:
+            raise ValueError(f"tree row {row}'s parent must be an earlier row or -1, got {parent}")
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
