@@ -69,8 +69,8 @@ def tree_accept(
             kept = None
             for child in children[row]:
                 token = token_ids[child]
-                u = torch.rand((), generator=generator, device=residual.device)
-                if u * residual.sum() < residual[token]:
+                u = float(torch.rand((), generator=generator, device=generator.device if generator else "cpu"))
+                if u * float(residual.sum()) < float(residual[token]):
                     kept = child
                     break
                 residual[token] = 0.0  # rejected: the next child is tried against the rest
