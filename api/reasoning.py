@@ -44,7 +44,7 @@ def parses_reasoning(parser: str, tokenizer: Any) -> bool:
     (gpt-oss); Qwen2.5's does neither."""
     if parser == "auto":
         template = chat_template_text(tokenizer)
-        return THINK_OPEN in template or is_harmony(tokenizer)
+        return THINK_OPEN in template or HARMONY_CHANNEL in template
     return parser != "none"
 
 
