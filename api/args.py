@@ -23,9 +23,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="target model: HF folder, .gguf file, hub id (default: Qwen2.5-Coder-1.5B-Instruct)")
     g.add_argument("--draft", default="default-draft",
                    help="draft model, same forms (default: Qwen2.5-Coder-0.5B-Instruct)")
-    g.add_argument("--proposer", choices=["draft", "hybrid", "ngram"], default="hybrid",
+    g.add_argument("--proposer", choices=["draft", "hybrid", "ngram", "recycling"], default="hybrid",
                    help="draft model; hybrid: prompt lookup where a 2-gram repeats, else the draft "
-                        "model; ngram: prompt lookup only (no model)")
+                        "model; ngram: prompt lookup only (no model); recycling: a token tree from the "
+                        "target's own earlier top candidates and prompt lookup (no model)")
+    g.add_argument("--tree-rows", type=int, default=EngineConfig.tree_rows, metavar="N",
+                   help="with --proposer recycling, a token tree's draft nodes at most (-k bounds its depth; "
+                        f"default {EngineConfig.tree_rows})")
     g.add_argument("--no-speculation", action="store_true", help="plain target-only decoding")
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
                    help="most draft tokens per step (exactly this many with --fixed-k; default: "
@@ -131,6 +135,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         draft=args.draft,
         proposer="none" if args.no_speculation else args.proposer,
         num_speculative_tokens=args.num_speculative_tokens,
+        tree_rows=args.tree_rows,
         adaptive_k=not args.fixed_k,
         draft_stop_confidence=args.draft_stop_confidence,
         steady_steps=args.steady_steps,

@@ -9,7 +9,8 @@
  *   3. attends: query row i of sequence b sits at position seq_len_b - query_len_b + i and sees
  *      keys 0..that position, read in place through the block table (nothing gathered or padded);
  *      with a->tree_masks (a token tree's window), of the window's keys only those whose bit is
- *      set in the row's mask (its ancestors and itself).
+ *      set in the row's mask (its ancestors and itself), read as one run after the prefix's, so
+ *      a tree node's row is bitwise its path's row fed as a chain.
  *
  * Attention runs in fp32 with an online softmax over chunks of 16 keys (one 16-lane exp per
  * chunk) and rounds the output to bf16. Written on `simd.h`'s 16-lane vectors, so the AVX-512
@@ -73,21 +74,38 @@ static inline __attribute__((always_inline)) void attend_heads(
         sum[h] = 0.0f;
         for (int64_t v = 0; v < vecs; v++) vf_store(acc + h * d + 16 * v, vf_zero());
     }
-    int64_t block = 0, in_block = 0; /* key j0 + j's block table entry and slot in it */
+    /* A token tree's row sees the prefix (keys 0..tree_start-1) and, of the window, only its
+     * ancestors and itself: those keys are read in order as ONE run of keys (`rows`: their window
+     * rows), so a node's arithmetic is exactly that of its path fed as a chain (same keys, same
+     * chunks of 16, same lanes), and a tree's greedy tokens are the chain's bitwise. */
+    int64_t rows[64], prefix = num_keys;
+    if (use_tree) {
+        const int64_t window = num_keys - tree_start; /* the row's window row + 1 (<= 64) */
+        uint64_t bits = window >= 64 ? tree : tree & ((UINT64_C(1) << window) - 1);
+        int64_t seen = 0;
+        for (; bits; bits &= bits - 1) rows[seen++] = __builtin_ctzll(bits);
+        prefix = tree_start;
+        num_keys = tree_start + seen;
+    }
+    int64_t block = 0, in_block = 0; /* key j0 + j's block table entry and slot in it (prefix keys) */
     int64_t ahead = 0, ahead_block = 0, ahead_in_block = 0; /* the key PREFETCH_KEYS on, likewise */
-    for (; ahead < num_keys && ahead < PREFETCH_KEYS; ahead++)
+    for (; ahead < prefix && ahead < PREFETCH_KEYS; ahead++)
         if (++ahead_in_block == block_size) ahead_in_block = 0, ahead_block++;
     for (int64_t j0 = 0; j0 < num_keys; j0 += KEYS) {
         const int64_t n = num_keys - j0 < KEYS ? num_keys - j0 : KEYS;
         int64_t offs[KEYS];
-        int hidden[KEYS]; /* a key of the window that is not the row's ancestor (a token tree) */
         for (int64_t j = 0; j < n; j++) {
-            offs[j] = ((int64_t)blocks[block] * block_size + in_block) * slot_stride;
-            if (++in_block == block_size) in_block = 0, block++;
+            if (!use_tree || j0 + j < prefix) {
+                offs[j] = ((int64_t)blocks[block] * block_size + in_block) * slot_stride;
+                if (++in_block == block_size) in_block = 0, block++;
+            } else { /* a tree's window key: the position of its window row */
+                const int64_t pos = tree_start + rows[j0 + j - prefix];
+                offs[j] = ((int64_t)blocks[pos / block_size] * block_size + pos % block_size) * slot_stride;
+            }
             /* Rows scattered over blocks, read once: the value row for this chunk's P.V, and the
              * key row PREFETCH_KEYS on, are asked for now rather than waited for. */
             for (int64_t o = 0; o < dv; o += 32) __builtin_prefetch(v_cache + offs[j] + o);
-            if (ahead < num_keys) {
+            if (ahead < prefix) {
                 const uint16_t *next = k_cache + ((int64_t)blocks[ahead_block] * block_size + ahead_in_block) * slot_stride;
                 for (int64_t o = 0; o < dk; o += 32) __builtin_prefetch(next + o);
                 if (++ahead_in_block == block_size) ahead_in_block = 0, ahead_block++;
@@ -101,26 +119,14 @@ static inline __attribute__((always_inline)) void attend_heads(
             }
             for (int64_t h = 0; h < g; h++) s[h][j] = vf_reduce_add(dot[h]) * scale;
         }
-        /* a token tree's window: its keys that are not the row's ancestors take no part */
-        const int masked = use_tree && j0 + n > tree_start;
-        if (masked) {
-            for (int64_t j = 0; j < n; j++) {
-                const int64_t w = j0 + j - tree_start; /* the key's window row, where it is one */
-                hidden[j] = w >= 0 && !((tree >> w) & 1);
-                for (int64_t h = 0; h < g; h++) s[h][j] = hidden[j] ? -INFINITY : s[h][j];
-            }
-        }
         for (int64_t h = 0; h < g; h++) {
             for (int64_t j = n; j < KEYS; j++) s[h][j] = -INFINITY; /* a short last chunk */
             const vf sv = vf_load(s[h]);
             const float chunk_max = vf_reduce_max(sv);
             const float new_max = chunk_max > max[h] ? chunk_max : max[h];
             rescale[h] = max[h] == -INFINITY ? 0.0f : expf(max[h] - new_max);
-            const float shift = use_tree && new_max == -INFINITY ? 0.0f : new_max; /* a tree's chunk all hidden */
-            vf_store(s[h], vf_exp(vf_sub(sv, vf_set1(shift))));
+            vf_store(s[h], vf_exp(vf_sub(sv, vf_set1(new_max))));
             for (int64_t j = n; j < KEYS; j++) s[h][j] = 0.0f; /* e^-inf: vf_exp holds its input to -87 */
-            if (masked)
-                for (int64_t j = 0; j < n; j++) s[h][j] = hidden[j] ? 0.0f : s[h][j];
             sum[h] = sum[h] * rescale[h] + vf_reduce_add(vf_load(s[h]));
             max[h] = new_max;
         }

@@ -92,7 +92,7 @@ class SeqPlan:
     the draft model may propose (under early stop a cap: the proposer may stop sooner);
     `num_lookup` what prompt lookup may propose (hybrid proposer; 0 = no lookup); `draft_fill`
     the tokens the draft's cache is fed without logits (a prefill stretch, or a catch-up chunk of
-    a cache that fell far behind).
+    a cache that fell far behind); `tree_rows` how many draft nodes a tree may have (0: chains).
     """
 
     seq: DraftSequence
@@ -100,6 +100,7 @@ class SeqPlan:
     num_draft: int = 0
     num_lookup: int = 0
     draft_fill: int = 0
+    tree_rows: int = 0  # a tree proposer's drafts (nodes) at most; `cap` bounds their depth
 
 
 @dataclass
@@ -114,12 +115,19 @@ class StepPlan:
 
 @dataclass
 class DraftOutput:
-    """`token_ids [B, k]` padded with -1; `probs [B, k, V]` or None for a deterministic proposer."""
+    """`token_ids [B, k]` padded with -1; `probs [B, k, V]` or None for a deterministic proposer.
+
+    `parents` (token trees, issue 62): row b's drafts are the nodes of a tree, draft i (window
+    row i + 1) under window row `parents[b][i]` (0: the sequence's last token; j: draft j - 1),
+    each parent an earlier row; None for a row (or for all) whose drafts are a chain. A tree's
+    drafts are deterministic proposals (`probs` unused) verified by `verify.tree.tree_accept`.
+    """
 
     token_ids: torch.Tensor  # [B, k] int64
     probs: torch.Tensor | None  # [B, k, V] float32
     num_draft: list[int]  # [B] drafts actually proposed per row
     looked_up: list[bool] | None = None  # [B] row proposed by prompt lookup, not the model (hybrid)
+    parents: list[list[int] | None] | None = None  # [B] each draft's parent row (trees); None: chains
 
     @classmethod
     def empty(cls, batch: int, device: torch.device) -> "DraftOutput":
@@ -129,7 +137,13 @@ class DraftOutput:
         """The same drafts, `[B, max(num_draft)]` wide (a proposer may stop short of its plan)."""
         k = max(self.num_draft, default=0)
         probs = self.probs[:, :k] if self.probs is not None else None
-        return DraftOutput(self.token_ids[:, :k], probs, self.num_draft, self.looked_up)
+        return DraftOutput(self.token_ids[:, :k], probs, self.num_draft, self.looked_up, self.parents)
+
+    def tree(self, b: int) -> list[int] | None:
+        """Row b's window parents for `Window(parents=...)` (`[-1, ...]`), None for a chain."""
+        if self.parents is None or self.parents[b] is None:
+            return None
+        return [-1, *self.parents[b]]
 
     @property
     def feeds_estimate(self) -> list[bool]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from specdec.target.quant.modes import QUANT_MODES
 
-PROPOSERS = ("draft", "hybrid", "ngram", "none")
+PROPOSERS = ("draft", "hybrid", "ngram", "recycling", "none")
 KV_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
@@ -32,6 +32,9 @@ class EngineConfig:
     # The most drafted per step (with adaptive_k, a cap). 5: on 10 HumanEval prompts (greedy, 128
     # tokens) caps 4 / 5 / 8 gave 39.7 / 39.7 / 37.7 tok/s (means of 3-4 runs, this CPU).
     num_speculative_tokens: int = 5
+    # A token tree's draft nodes at most (`proposer="recycling"`: Token Recycling's trees, issue
+    # 62); num_speculative_tokens bounds its depth.
+    tree_rows: int = 8
     adaptive_k: bool = True  # choose each step's k from measured costs and acceptance
     # With adaptive_k, a sequence stops drafting once the draft's probability of its drafts so far
     # falls below this (0: never; see DraftModelProposer); the policy then only decides whether
@@ -120,6 +123,8 @@ class EngineConfig:
             raise ValueError(f"proposer {self.proposer!r} needs a draft model")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.tree_rows <= 63:
+            raise ValueError(f"tree_rows must be in 1..63 (a tree window holds 64 rows), got {self.tree_rows}")
         if not 0.0 <= self.draft_stop_confidence < 1.0:
             raise ValueError(f"draft_stop_confidence must be in [0, 1), got {self.draft_stop_confidence}")
         if self.draft_vocab not in ("auto", "full") and not (isinstance(self.draft_vocab, int) and self.draft_vocab > 0):

@@ -15,6 +15,7 @@ from specdec.draft import (
     DraftModelProposer, DraftOutput, HybridProposer, NgramProposer, Proposer, SamplingTensors, StepPlan,
     StepTimings,
 )
+from specdec.draft.recycling import RecyclingProposer
 from specdec.expert_stats import ExpertStats
 from specdec import handoff
 from specdec.handoff import HandoffTicket, KVPayload, LeaseBook, import_payload
@@ -100,6 +101,7 @@ class Engine:
             config.max_num_seqs, self.max_model_len,
             self.proposer.draft_slots_needed if self.proposer is not None else (lambda n, k: 0),
             ChunkBudget(config.max_num_batched_tokens, config.max_prefill_chunk, self.chunk_sizer),
+            tree_rows=config.tree_rows if isinstance(self.proposer, RecyclingProposer) else 0,
         )
         self.planner = StepPlanner(
             self.scheduler, self.policy, drafts_with_model=draft_pool is not None,
@@ -136,6 +138,8 @@ class Engine:
             return model if config.proposer == "draft" else HybridProposer(model)
         if config.speculative and config.proposer == "ngram":
             return NgramProposer(config.ngram_min, config.ngram_max, self.target.device, self.timings)
+        if config.speculative and config.proposer == "recycling":
+            return RecyclingProposer(self.target.output_vocab, device=self.target.device, timings=self.timings)
         return None
 
     def _max_model_len(self, draft_runner: ModelRunner | None) -> int:
@@ -300,6 +304,9 @@ class Engine:
         out, controlled = self.verifier.accept(logits, draft, sampling)
         rows = torch.cat([out.token_ids, out.num_accepted.to(out.token_ids.dtype).unsqueeze(1)], 1).tolist()
         token_rows, accepted = [r[:-1] for r in rows], [r[-1] for r in rows]  # the one host sync
+        paths = out.paths or [None] * len(seqs)
+        if hasattr(self.proposer, "observe"):  # a proposer that learns from the target's rows
+            self.proposer.observe(seqs, draft, logits, [row[: accepted[b] + 1] for b, row in enumerate(token_rows)])
         for b, s in enumerate(seqs):
             if draft.feeds_estimate[b]:  # the adaptive estimate is of the draft model's acceptance
                 s.acceptance.update(draft.num_draft[b], accepted[b])
@@ -308,12 +315,21 @@ class Engine:
             logprobs = self.verifier.logprobs(
                 controlled, [n + 1 for n in draft.num_draft],
                 [row[: accepted[b] + 1] for b, row in enumerate(token_rows)],
-                [s.params.temperature for s in seqs], [s.params.logprobs for s in seqs],
+                [s.params.temperature for s in seqs], [s.params.logprobs for s in seqs], paths,
             )
+        for b, s in enumerate(seqs):
+            if paths[b] is not None:  # a tree: only the root and the accepted path keep their KV
+                self._keep_tree_path(s, paths[b])
         return [
-            self._commit(s, token_rows[b], accepted[b], draft.num_draft[b], logprobs[b])
+            self._commit(s, token_rows[b], accepted[b], draft.num_draft[b], logprobs[b], _bonus(draft, b, paths[b]))
             for b, s in enumerate(seqs)
         ] + handed
+
+    def _keep_tree_path(self, seq: Sequence, path: list[int]) -> None:
+        """Roll the target's cache back to the tree's root and accepted `path`, the path's KV moved
+        to the positions it now holds (a model-free tree proposer: no draft cache to roll)."""
+        src, dst = seq.target_table.keep_tree_path(seq.num_tokens - 1, path)
+        self.target.kv_cache.copy_slots(src, dst)
 
     def _propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
         if self.proposer is None:
@@ -365,13 +381,13 @@ class Engine:
 
     def _commit(
         self, seq: Sequence, row: list[int], num_accepted: int, num_draft: int,
-        logprobs: list[TokenLogprobs] | None = None,
+        logprobs: list[TokenLogprobs] | None = None, bonus: bool | None = None,
     ) -> StepDelta:
-        """Append accepted (+1) tokens up to a stop, roll both caches back, finish if done."""
+        """Append accepted (+1) tokens up to a stop, roll both caches back, finish if done.
+        `bonus`: the last token followed every draft there was (None: a chain's, all accepted)."""
         new = row[: num_accepted + 1]
-        last = TokenOrigin.TARGET if num_draft == 0 else (
-            TokenOrigin.BONUS if num_accepted == num_draft else TokenOrigin.RECOVERED
-        )
+        bonus = num_accepted == num_draft if bonus is None else bonus
+        last = TokenOrigin.TARGET if num_draft == 0 else TokenOrigin.BONUS if bonus else TokenOrigin.RECOVERED
         origins = [TokenOrigin.ACCEPTED] * num_accepted + [last]
         first = seq.num_generated == 0
         if num_draft > 0:
@@ -557,6 +573,15 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no request holds, in both pools; returns how many."""
         return sum(p.reset_prefix_cache() for p in self._pools().values())
+
+
+def _bonus(draft: DraftOutput, b: int, path: list[int] | None) -> bool | None:
+    """A tree row's last token is a bonus where its accepted path ends at a leaf (None: a chain)."""
+    tree = draft.tree(b)
+    if path is None or tree is None:
+        return None
+    end = path[-1] if path else 0
+    return end not in tree
 
 
 def _check_device(config: EngineConfig, models: dict[str, torch.nn.Module | None]) -> None:

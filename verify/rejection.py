@@ -27,11 +27,13 @@ class VerifyOutput:
     """Result of one verify step for B sequences.
 
     `token_ids[b, :num_accepted[b] + 1]` are the emitted tokens (accepted drafts, then the
-    recovered or bonus token); the rest of the row is -1.
+    recovered or bonus token); the rest of the row is -1. `paths[b]` (token trees): the window
+    rows of row b's accepted drafts (a chain's: 1..num_accepted); None when every row is a chain.
     """
 
     token_ids: torch.Tensor  # [B, k+1] int64, padded with -1
     num_accepted: torch.Tensor  # [B] int64
+    paths: list[list[int] | None] | None = None  # [B] accepted window rows of tree rows
 
 
 def rejection_sample(

@@ -62,8 +62,10 @@ class Scheduler:
         max_model_len: int,
         draft_slots_needed,
         budget: ChunkBudget | None = None,
+        tree_rows: int = 0,
     ) -> None:
         self.target_pool, self.draft_pool = target_pool, draft_pool
+        self.tree_rows = tree_rows  # a tree proposer's nodes at most per sequence (0: chains)
         self.target_block_size, self.draft_block_size = target_block_size, draft_block_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -86,12 +88,20 @@ class Scheduler:
         room = self.max_model_len - seq.num_tokens
         return max(0, min(seq.num_speculative_tokens, remaining - 1, room))
 
+    def num_rows(self, seq: Sequence) -> int:
+        """The draft rows this step may verify: k, or with a tree proposer (`tree_rows`) a tree's
+        nodes (k bounds its depth), within the context either way."""
+        k = self.num_draft(seq)
+        if not self.tree_rows or not k or seq.num_pending > 1:
+            return k
+        return max(k, min(self.tree_rows, self.max_model_len - seq.num_tokens))
+
     def schedule(self) -> list[Sequence]:
         """Sequences to run this step, each with its chunk set and slots for it in both pools."""
         scheduled: list[Sequence] = []
         decoding = [s for s in self.running if s.num_pending <= 1 and not s.handing_off]
         if decoding:
-            left = self.budget.beside_decoding(sum(1 + self.num_draft(s) for s in decoding))
+            left = self.budget.beside_decoding(sum(1 + self.num_rows(s) for s in decoding))
         else:
             left = self.budget.alone
         pending = list(self.running)
@@ -215,7 +225,7 @@ class Scheduler:
             target_slots, draft_slots = target.num_computed + seq.num_new_tokens, fill_end
         else:
             k = self.num_draft(seq)
-            target_slots = seq.num_tokens + k
+            target_slots = seq.num_tokens + self.num_rows(seq)
             draft_slots = max(self.draft_slots_needed(seq.num_tokens, k), fill_end) if draft is not None else 0
         if draft is not None and draft.blocks_needed(draft_slots) > self.draft_pool.num_free:
             return False

@@ -19,6 +19,7 @@ from specdec.expert_stats import ExpertStats
 from specdec.sequence import Sequence, TokenLogprobs
 from specdec.target.runner import ModelRunner, Window
 from specdec.verify import VerifyOutput, rejection_sample
+from specdec.verify.tree import tree_accept
 
 
 class Verifier:
@@ -33,7 +34,8 @@ class Verifier:
     def forward(self, plan: StepPlan, draft: DraftOutput) -> torch.Tensor:
         """Logits `[sum(n_b + 1), V]` of every row's window; the fills' full blocks go to the
         prefix caches."""
-        windows = [self._window(p.seq, draft.token_ids[b, : draft.num_draft[b]]) for b, p in enumerate(plan.rows)]
+        windows = [self._window(p.seq, draft.token_ids[b, : draft.num_draft[b]], draft.tree(b))
+                   for b, p in enumerate(plan.rows)]
         self.num_decode_rows = sum(len(w.token_ids) for w, p in zip(windows, plan.rows) if p.seq.num_pending <= 1)
         fills = [p.seq for p in plan.seqs if p.seq.fills_only and p.seq.num_new_tokens]
         windows += [_fill_window(s) for s in fills]
@@ -73,8 +75,10 @@ class Verifier:
         if sampling.controls is not None:
             drafts = draft.token_ids.tolist()  # [B, k] on the host (penalties count the drafts)
             owners = [b for b, c in enumerate(counts) for _ in range(c)]
-            extra = [drafts[b][:j] for b, c in enumerate(counts) for j in range(c)]
+            extra = [_before(drafts[b], draft.tree(b), j) for b, c in enumerate(counts) for j in range(c)]
             logits = sampling.controlled(logits, owners, extra)
+        if draft.parents is not None and any(t is not None for t in draft.parents):
+            return _accept_trees(draft, sampling.repeat(counts).warp(logits), counts, sampling), logits
         target_probs = _pad_rows(sampling.repeat(counts).warp(logits), counts)  # [B, k+1, V]
         out = rejection_sample(
             draft.token_ids, torch.tensor(draft.num_draft), draft.probs, target_probs,  # [B, k], [B, k+1, V]
@@ -89,17 +93,19 @@ class Verifier:
         emitted: list[list[int]],  # [B] the tokens each sequence emitted, from its first row on
         temperature: list[float],  # [B]
         num_top: list[int | None],  # [B] alternatives wanted; None: no logprobs for this sequence
+        paths: list[list[int] | None] | None = None,  # [B] a tree row's accepted rows (VerifyOutput.paths)
     ) -> list[list[TokenLogprobs] | None]:
         """Each emitted token's log-probability under the target's distribution at its row (after
         the logit controls and the temperature, 1 for greedy rows; before min-p/top-k/top-p) and the
         `num_top[b]` most likely alternatives. Accepted, recovered and bonus tokens alike: row j's
-        distribution is what the token at position j was verified or sampled against."""
+        distribution is what the token at position j was verified or sampled against (a tree's:
+        row 0, then the rows of its accepted path)."""
         starts = [0, *itertools.accumulate(counts)]  # first row of each sequence
         wanted = [b for b, n in enumerate(num_top) if n is not None and emitted[b]]
         result: list[list[TokenLogprobs] | None] = [None] * len(counts)
         if not wanted:
             return result
-        rows = [starts[b] + j for b in wanted for j in range(len(emitted[b]))]
+        rows = [starts[b] + r for b in wanted for r in _path_rows(paths, b, len(emitted[b]))]
         temps = [temperature[b] if temperature[b] > 0 else 1.0 for b in wanted for _ in emitted[b]]
         index = torch.tensor(rows, device=logits.device)
         scaled = logits.index_select(0, index).float() / torch.tensor(temps, device=logits.device).unsqueeze(1)
@@ -119,13 +125,15 @@ class Verifier:
             result[b] = entries
         return result
 
-    def _window(self, seq: Sequence, drafts: torch.Tensor) -> Window:
+    def _window(self, seq: Sequence, drafts: torch.Tensor, tree: list[int] | None) -> Window:
         table = seq.target_table
         pending = seq.token_ids[table.num_computed :]
         if drafts.numel() == 0:
             return Window(table, pending, 1)
+        if tree is not None and len(pending) != 1:
+            raise ValueError(f"a token tree roots at the sequence's last token; its window has {len(pending)} pending")
         head = torch.tensor(pending, dtype=torch.long, device=self.target.device)
-        return Window(table, torch.cat([head, drafts]), drafts.numel() + 1)
+        return Window(table, torch.cat([head, drafts]), drafts.numel() + 1, parents=tree)
 
 
 def _prompt_rows(window: Window, seq: Sequence, fill: bool) -> int:
@@ -185,6 +193,44 @@ def _cache_full_blocks(seqs: list[Sequence]) -> None:
         for table in (seq.target_table, seq.draft_table):
             if table is not None:
                 table.cache_full_blocks(seq.token_ids)
+
+
+def _before(drafts: list[int], tree: list[int] | None, row: int) -> list[int]:
+    """The drafts ahead of window row `row` on its path (a chain's: the first `row`)."""
+    if tree is None:
+        return drafts[:row]
+    path = []
+    while row > 0:
+        path.append(drafts[row - 1])
+        row = tree[row]
+    return path[::-1]
+
+
+def _path_rows(paths: list[list[int] | None] | None, b: int, n: int) -> list[int]:
+    """The window rows of sequence b's first n emitted tokens (row 0, then its accepted rows)."""
+    path = paths[b] if paths is not None else None
+    return list(range(n)) if path is None else [0, *path][:n]
+
+
+def _accept_trees(draft: DraftOutput, probs: torch.Tensor, counts: list[int], sampling: SamplingTensors) -> VerifyOutput:
+    """`tree_accept` per row (`probs [sum(counts), V]`, the rows' warped distributions); a chain
+    row is the tree whose nodes are each under the one before."""
+    if draft.probs is not None:
+        raise ValueError("a token tree's drafts are deterministic proposals: probs must be None")
+    starts = [0, *itertools.accumulate(counts)]
+    greedy = sampling.all_greedy
+    drafts = draft.token_ids.tolist()
+    results = []
+    for b, n in enumerate(draft.num_draft):
+        tree = draft.tree(b) or [-1, *range(n)]
+        results.append(tree_accept(tree, [-1, *drafts[b][:n]], probs[starts[b] : starts[b + 1]],
+                                   sampling.generators[b], greedy))
+    width = max(counts)
+    token_ids = torch.full((len(counts), width), -1, dtype=torch.long)
+    for b, r in enumerate(results):
+        token_ids[b, : len(r.token_ids)] = torch.tensor(r.token_ids)
+    paths = [r.path if draft.tree(b) is not None else None for b, r in enumerate(results)]
+    return VerifyOutput(token_ids, torch.tensor([r.num_accepted for r in results]), paths)
 
 
 def _pad_rows(flat: torch.Tensor, counts: list[int]) -> torch.Tensor:

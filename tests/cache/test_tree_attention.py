@@ -11,7 +11,10 @@ import random
 import pytest
 import torch
 
-from specdec.cache import cpu_attention, paged_attention_ref, paged_attention_triton
+from specdec.cache import (
+    BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata, cpu_attention, paged_attention_ref,
+    paged_attention_triton, write_kv,
+)
 from specdec.cache.metadata import tree_masks, with_tree
 from tests.cache.test_cpu_attention import BF16_TOL, _run
 from tests.cache.test_paged_attention import HEAD_DIM, TOL, _on_device, build_case, needs_triton
@@ -90,6 +93,37 @@ def test_the_c_kernel_gives_each_node_its_paths_attention(block_size, group, sim
                                **BF16_TOL)
     plain, _ = _run(query, cache, causal, per_seq)
     assert (plain.double() - _per_path(per_seq, parents)).abs().max() > 0.1
+
+
+def _chain_row(q_row, keys, values, block_size):
+    """The C kernel's row for one query after keys[:-1] cached and the last key its own: the
+    node's path fed as a chain, decoded one row at a time."""
+    num = keys.shape[0]
+    pool = BlockPool(num // block_size + 2)
+    table = BlockTable(pool, block_size)
+    table.ensure_slots(num)
+    cache = PagedKVCache(KVCacheSpec(1, keys.shape[1], HEAD_DIM, block_size, torch.bfloat16), pool.num_blocks)
+    before = build_attention_metadata([table], [0], [num - 1], "cpu")
+    write_kv(keys[:-1], values[:-1], *cache.layer(0), before.slot_mapping, cache.k_scale, cache.v_scale)
+    out, _ = _run(q_row, cache, build_attention_metadata([table], [num - 1], [num], "cpu"), [(q_row, keys, values)])
+    return out[0]
+
+
+@pytest.mark.skipif(cpu_attention.load_attention() is None, reason="CPU attention kernel unavailable")
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_the_c_kernel_gives_each_node_bitwise_its_chains_row(block_size, simd_level):
+    """A node's row is bitwise its path's row fed as a chain (so greedy trees keep target-only's
+    tokens at near ties): the kernel reads the prefix and the node's ancestors as one run of keys.
+    The windows straddle 16-key chunks (prefixes 31, 23)."""
+    query, cache, meta, _, per_seq, parents = _case(block_size, 2, torch.bfloat16, seed=3)
+    out, _ = _run(query, cache, meta, per_seq)
+    t = 0
+    for (q, k, v), tree in zip(per_seq, parents):
+        n, prefix = q.shape[0], k.shape[0] - q.shape[0]
+        for i in range(n):
+            keep = list(range(prefix)) + [prefix + j for j in _ancestors(tree or list(range(-1, n - 1)), i)]
+            assert torch.equal(out[t], _chain_row(q[i : i + 1], k[keep], v[keep], block_size)), (t, i)
+            t += 1
 
 
 @needs_triton

@@ -304,3 +304,37 @@ def test_a_draft_head_over_part_of_the_vocabulary_keeps_the_output_distribution_
     assert proposed.numel() and torch.isin(proposed, kept).all()
     assert counts[:, [1, 2, 5, 7]].sum() > 0  # ids the draft cannot propose are still emitted
     assert 0.02 < engine.stats.acceptance_rate < 0.98
+
+
+def test_token_tree_output_distribution_is_the_targets():
+    """Draft-free token trees (`proposer="recycling"`), verified by multi-candidate rejection
+    sampling, stay lossless at T = 1: the table is seeded so every root has four candidates (a
+    tree of 6 nodes, 3 deep), and the joint of the 2nd and 3rd tokens (the first tree step's,
+    the 1st comes from the prefill) matches the target's, marginalized over the 1st."""
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    hf_target = tiny_hf_model("llama", seed=3, vocab_size=V)
+    engine = make_engine(from_hf(hf_target), proposer="recycling", num_speculative_tokens=3, tree_rows=6,
+                         max_num_seqs=N, num_blocks=4 * N, block_size=4)
+    engine.proposer.table.update(list(range(V)), [[(t + d) % V for d in (1, 2, 3, 5)] for t in range(V)])
+    seen = []
+    observe = engine.proposer.observe
+    engine.proposer.observe = lambda seqs, draft, *a: seen.append(draft.parents is not None and any(
+        p is not None and len(set(p)) < len(p) for p in draft.parents)) or observe(seqs, draft, *a)
+    torch.manual_seed(0)
+    outs = engine.generate([PROMPT] * N, params)
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+
+    def dist(ids):
+        with torch.no_grad():
+            return torch.softmax(hf_target(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+    p1 = dist(PROMPT)
+    exact = sum(p1[x] * torch.stack([dist(PROMPT + [x])[y] * dist(PROMPT + [x, y]) for y in range(V)])
+                for x in range(V))
+    tv = 0.5 * (counts / N - exact).abs().sum().item()
+    assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
+    assert any(seen)  # trees with siblings were verified
+    assert 0.02 < engine.stats.num_accepted_tokens / max(1, engine.stats.num_draft_tokens) < 0.98
+    assert all(u["used"] == 0 for u in engine.kv_usage().values())

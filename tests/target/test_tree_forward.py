@@ -55,21 +55,26 @@ def test_each_node_gets_its_paths_logits_and_a_kept_path_decodes_on(arch, block_
 
 
 @pytest.mark.skipif(cpu_attention.load_attention() is None, reason="CPU attention kernel unavailable")
-def test_the_c_kernel_path_gives_each_node_its_chains_logits():
-    """bf16 on the CPU (the C attention kernel): a node's logits are those of its path fed as a chain."""
+@pytest.mark.parametrize("prefix", [0, 41])  # 41: the window straddles a 16-key chunk's end (at 48)
+def test_the_c_kernel_path_gives_each_node_its_chains_logits(prefix):
+    """bf16 on the CPU (the C attention kernel): a node's logits are bitwise those of its path fed
+    as a chain (the kernel reads a node's visible keys as one run, in the chain's chunks), so
+    greedy tree speculation keeps target-only's tokens even at near ties."""
     hf = tiny_hf_model("qwen2")
     runner = ModelRunner.build(from_hf(hf, torch.bfloat16), block_size=4, num_blocks=256)
+    prompt = [(11 * i) % 80 + 3 for i in range(prefix)] + PROMPT
     table = runner.new_table()
-    table.ensure_slots(len(PROMPT) + len(TOKENS))
-    runner.forward([Window(table, PROMPT[:-1], 0)])
+    table.ensure_slots(len(prompt) + len(TOKENS))
+    runner.forward([Window(table, prompt[:-1], 0)])
     logits = runner.forward([Window(table, TOKENS, len(TOKENS), parents=PARENTS)]).float()
     for row in range(len(TOKENS)):
-        chain = runner.new_table()
-        ids = PROMPT[:-1] + [TOKENS[r] for r in _path(row)]
-        chain.ensure_slots(len(ids))
-        ref = runner.forward([Window(chain, ids, 1)]).float()[0]
+        chain = runner.new_table()  # the same prefill, then the path verified as a chain
+        path = [TOKENS[r] for r in _path(row)]
+        chain.ensure_slots(len(prompt) - 1 + len(path))
+        runner.forward([Window(chain, prompt[:-1], 0)])
+        ref = runner.forward([Window(chain, path, len(path))]).float()[-1]
         chain.free()
-        torch.testing.assert_close(logits[row], ref, atol=0.05, rtol=0.05)
+        assert torch.equal(logits[row], ref), row
 
 
 def test_a_bad_tree_is_refused():
