@@ -24,3 +24,14 @@ def test_recycling_trees_give_the_target_only_tokens(pair, reference, k, rows):
         assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     assert engine.stats.num_draft_tokens > 0
     assert all(u["used"] == 0 for u in engine.kv_usage().values())
+
+
+def test_recycling_trees_under_the_adaptive_policy_and_preemption(pair, reference):
+    """The default adaptive k with tree rows, and a pool small enough to preempt mid-tree: same
+    tokens, nothing left held."""
+    target, _ = pair
+    engine = make_engine(target, proposer="recycling", num_speculative_tokens=5, tree_rows=12,
+                         adaptive_k=True, num_blocks=20)
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+    assert engine.scheduler.num_preemptions > 0
+    assert all(u["used"] == 0 for u in engine.kv_usage().values())
