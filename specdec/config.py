@@ -123,6 +123,9 @@ class EngineConfig:
             raise ValueError(f"proposer {self.proposer!r} needs a draft model")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
+        if self.proposer == "recycling" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("proposer 'recycling' (token trees) runs on a one-process target for now: "
+                             "set tensor_parallel_size and pipeline_parallel_size to 1, or use another proposer")
         if not 1 <= self.tree_rows <= 63:
             raise ValueError(f"tree_rows must be in 1..63 (a tree window holds 64 rows), got {self.tree_rows}")
         if not 0.0 <= self.draft_stop_confidence < 1.0:

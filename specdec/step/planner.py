@@ -68,8 +68,9 @@ class StepPlanner:
             for p in rows:
                 p.cap = self._cap(p.seq)
             self._draft_lengths(rows)
-            for p in rows:  # a tree proposer's node budget where the row drafts (0 for chains)
-                p.tree_rows = self.scheduler.num_rows(p.seq) if p.num_draft and self.scheduler.tree_rows else 0
+            if self.scheduler is not None and self.scheduler.tree_rows:  # a tree proposer's node budgets
+                for p in rows:
+                    p.tree_rows = self.scheduler.num_rows(p.seq) if p.num_draft else 0
             if self.looks_up and (any(p.num_draft for p in rows) or len(rows) == 1):
                 for p in rows:
                     p.num_lookup = max(p.num_draft, min(p.cap, LOOKUP_MIN_TOKENS))

@@ -35,3 +35,12 @@ def test_recycling_trees_under_the_adaptive_policy_and_preemption(pair, referenc
     assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
     assert engine.scheduler.num_preemptions > 0
     assert all(u["used"] == 0 for u in engine.kv_usage().values())
+
+
+def test_trees_on_a_parallel_target_are_refused_clearly():
+    from specdec.config import EngineConfig
+
+    with pytest.raises(ValueError, match="one-process target"):
+        EngineConfig(proposer="recycling", draft=None, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tree_rows"):
+        EngineConfig(proposer="recycling", draft=None, tree_rows=64)
