@@ -202,9 +202,8 @@ class RecyclingProposer:
             if parent in kept_rows:
                 depth = kept_rows[parent]
                 hit = depth < len(emitted) and emitted[depth] == token
-                kind = kinds[row - 1]
-                slot = -1 if kind < 0 else kind
-                self.tries[slot] += 1
-                self.hits[slot] += hit
+                kind = kinds[row - 1]  # KINDS_LOOKUP (-1) is the last slot
+                self.tries[kind] += 1
+                self.hits[kind] += hit
                 if hit and depth + 1 < len(emitted):
                     kept_rows[row] = depth + 1

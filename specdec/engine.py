@@ -305,16 +305,16 @@ class Engine:
         rows = torch.cat([out.token_ids, out.num_accepted.to(out.token_ids.dtype).unsqueeze(1)], 1).tolist()
         token_rows, accepted = [r[:-1] for r in rows], [r[-1] for r in rows]  # the one host sync
         paths = out.paths or [None] * len(seqs)
+        emitted = [row[: accepted[b] + 1] for b, row in enumerate(token_rows)]
         if hasattr(self.proposer, "observe"):  # a proposer that learns from the target's rows
-            self.proposer.observe(seqs, draft, logits, [row[: accepted[b] + 1] for b, row in enumerate(token_rows)])
+            self.proposer.observe(seqs, draft, logits, emitted)
         for b, s in enumerate(seqs):
             if draft.feeds_estimate[b]:  # the adaptive estimate is of the draft model's acceptance
                 s.acceptance.update(draft.num_draft[b], accepted[b])
         logprobs: list = [None] * len(seqs)
         if any(s.params.logprobs is not None for s in seqs):
             logprobs = self.verifier.logprobs(
-                controlled, [n + 1 for n in draft.num_draft],
-                [row[: accepted[b] + 1] for b, row in enumerate(token_rows)],
+                controlled, [n + 1 for n in draft.num_draft], emitted,
                 [s.params.temperature for s in seqs], [s.params.logprobs for s in seqs], paths,
             )
         for b, s in enumerate(seqs):
