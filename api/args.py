@@ -27,8 +27,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft model; hybrid: prompt lookup where a 2-gram repeats, else the draft "
                         "model; ngram: prompt lookup only (no model); recycling: a token tree from the "
                         "target's own earlier top candidates and prompt lookup (no model)")
+    g.add_argument("--spec-tree", choices=["on", "off"], default=EngineConfig.spec_tree,
+                   help="on: the draft model proposes token trees (the nodes of highest path probability, "
+                        "verified in one pass) instead of chains; proposers draft and hybrid "
+                        f"(default {EngineConfig.spec_tree})")
     g.add_argument("--tree-rows", type=int, default=EngineConfig.tree_rows, metavar="N",
-                   help="with --proposer recycling, a token tree's draft nodes at most (-k bounds its depth; "
+                   help="with --proposer recycling or --spec-tree on, a token tree's draft nodes at most (-k bounds its depth; "
                         f"default {EngineConfig.tree_rows})")
     g.add_argument("--no-speculation", action="store_true", help="plain target-only decoding")
     g.add_argument("-k", "--num-speculative-tokens", type=int, default=EngineConfig.num_speculative_tokens,
@@ -136,6 +140,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         proposer="none" if args.no_speculation else args.proposer,
         num_speculative_tokens=args.num_speculative_tokens,
         tree_rows=args.tree_rows,
+        spec_tree=args.spec_tree,
         adaptive_k=not args.fixed_k,
         draft_stop_confidence=args.draft_stop_confidence,
         steady_steps=args.steady_steps,

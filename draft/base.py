@@ -145,6 +145,16 @@ class DraftOutput:
             return None
         return [-1, *self.parents[b]]
 
+    def depth(self, b: int) -> int:
+        """Row b's deepest draft (a chain: its drafts), what one acceptance step of it measures."""
+        tree = self.tree(b)
+        if tree is None:
+            return self.num_draft[b]
+        depths = [0] * len(tree)
+        for row in range(1, len(tree)):
+            depths[row] = depths[tree[row]] + 1
+        return max(depths)
+
     @property
     def feeds_estimate(self) -> list[bool]:
         """Rows whose verify result measures the draft model (the adaptive-k acceptance estimate):

@@ -50,6 +50,9 @@ class HybridProposer:
     def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
         return self.model.draft_slots_needed(num_tokens, num_draft)
 
+    def keep_tree_path(self, row: int, seq, path: list[int]) -> None:
+        self.model.keep_tree_path(row, seq, path)
+
     def propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
         """Per row: what prompt lookup finds (up to `num_lookup`, even where `num_draft` is 0),
         else the draft model's proposal (up to `num_draft`); the plan's fills ride in the model's
@@ -59,8 +62,13 @@ class HybridProposer:
         caps = [0 if found else p.cap for found, p in zip(looked_up, plan.rows)]  # grammar-forced drafts
         seqs = [p.seq for p in plan.rows]
         self.model.queue_fills(plan)
-        forcing = self.model.grammar_forced and sampling.controls is not None and any(caps)
-        out = self.model.draft(seqs, model_k, sampling, caps) if any(model_k) or forcing else None
+        if self.model.tree:  # the model's rows are trees, the looked-up ones chains (probs None)
+            self.model.trees = []
+            nodes = [p.tree_rows for p in plan.rows]
+            out = self.model.draft_tree(seqs, model_k, nodes, sampling) if any(model_k) else None
+        else:
+            forcing = self.model.grammar_forced and sampling.controls is not None and any(caps)
+            out = self.model.draft(seqs, model_k, sampling, caps) if any(model_k) or forcing else None
         self.model.flush()
         drafted = out.num_draft if out is not None else [0] * len(seqs)  # may stop short of model_k
         counts = [len(found) if found else n for found, n in zip(looked_up, drafted)]
@@ -74,7 +82,8 @@ class HybridProposer:
                 token_ids[b, : len(found)] = torch.tensor(found, dtype=torch.long, device=device)
         from_lookup = [bool(found) for found in looked_up]
         if out is None or out.probs is None:
-            return DraftOutput(token_ids, None, counts, from_lookup)
+            parents = out.parents if out is not None else None
+            return DraftOutput(token_ids, None, counts, from_lookup, parents)
         probs = torch.zeros(len(seqs), k, out.probs.shape[-1], device=device)  # [B, k, V]
         probs[:, : out.probs.shape[1]] = out.probs[:, :k]
         for b, found in enumerate(looked_up):

@@ -8,6 +8,7 @@ from specdec.cache import BlockPool
 from specdec.draft.base import (
     DraftOutput, DraftSequence, ForcingConstraint, SamplingTensors, StepPlan, StepTimings,
 )
+from specdec.draft.model_tree import BEAM, DraftTree, grow_trees
 from specdec.draft.vocab import expand_logits
 from specdec.target.runner import ModelRunner, Window
 from specdec.verify import sample
@@ -38,9 +39,11 @@ class DraftModelProposer:
 
     def __init__(
         self, runner: ModelRunner, timings: StepTimings | None = None, stop_below: float = 0.0,
-        grammar_forced: bool = True,
+        grammar_forced: bool = True, tree: bool = False,
     ) -> None:
         self.runner = runner
+        self.tree = tree  # token trees (`draft.model_tree`) instead of chains
+        self.trees: list[DraftTree | None] = []  # the latest step's trees, per row (`keep_tree_path`)
         self.timings = timings or StepTimings()  # each forward's (rows, seconds) while enabled
         self.stop_below = stop_below
         self.grammar_forced = grammar_forced  # propose what a row's grammar forces, without a forward
@@ -64,17 +67,49 @@ class DraftModelProposer:
         return self.timings.draft
 
     def draft_slots_needed(self, num_tokens: int, num_draft: int) -> int:
-        # Positions written: the catch-up up to num_tokens-1, then d_1..d_{k-1}.
-        return num_tokens + num_draft - 1 if num_draft > 0 else 0
+        # Positions written: the catch-up up to num_tokens-1, then d_1..d_{k-1} (a tree: up to
+        # BEAM nodes fed a level, for k - 1 levels).
+        if num_draft <= 0:
+            return 0
+        return num_tokens + (BEAM if self.tree else 1) * (num_draft - 1)
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
         """Feed the plan's `draft_fill`s and draft up to `num_draft` tokens per row."""
         self.queue_fills(plan)
-        out = self.draft([p.seq for p in plan.rows], [p.num_draft for p in plan.rows], sampling,
-                         [p.cap for p in plan.rows])
+        seqs = [p.seq for p in plan.rows]
+        if self.tree:
+            out = self.draft_tree(seqs, [p.num_draft for p in plan.rows], [p.tree_rows for p in plan.rows], sampling)
+        else:
+            out = self.draft(seqs, [p.num_draft for p in plan.rows], sampling, [p.cap for p in plan.rows])
         self.flush()
         return out
+
+    @torch.inference_mode()
+    def draft_tree(
+        self, seqs: list[DraftSequence], depth: list[int], nodes: list[int], sampling: SamplingTensors,
+    ) -> DraftOutput:
+        """A token tree per row (`draft.model_tree.grow_trees`), up to `depth[b]` deep and
+        `nodes[b]` nodes (0: a chain's k, `depth[b]`); the first forward takes the queued fills.
+        The drafts are deterministic proposals (`probs` None)."""
+        nodes = [n or d for n, d in zip(nodes, depth)]
+        self.trees = grow_trees(self, seqs, depth, nodes, sampling)
+        counts = [len(t.tokens) if t else 0 for t in self.trees]
+        token_ids = torch.full((len(seqs), max(counts, default=0)), -1, dtype=torch.long)
+        for b, t in enumerate(self.trees):
+            if t and t.tokens:
+                token_ids[b, : counts[b]] = torch.tensor(t.tokens)
+        parents = [t.parents if t and t.tokens else None for t in self.trees]
+        return DraftOutput(token_ids.to(self.runner.device), None, counts, parents=parents)
+
+    def keep_tree_path(self, row: int, seq: DraftSequence, path: list[int]) -> None:
+        """After verification: the draft cache keeps the accepted `path`'s (verify rows) fed
+        nodes, moved to the positions they now hold, and drops the rest of row `row`'s tree."""
+        tree = self.trees[row] if row < len(self.trees) else None
+        if tree is None or seq.draft_table is None:
+            return
+        src, dst = seq.draft_table.keep_tree_path(tree.start - 1, tree.draft_path(path))
+        self.runner.kv_cache.copy_slots(src, dst)
 
     def queue_fills(self, plan: StepPlan) -> None:
         """Queue each sequence's `draft_fill` next tokens for the draft cache (prefill chunks that

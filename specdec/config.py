@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from specdec.target.quant.modes import QUANT_MODES
 
 PROPOSERS = ("draft", "hybrid", "ngram", "recycling", "none")
+SPEC_TREES = ("off", "on")
 KV_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
@@ -33,8 +34,11 @@ class EngineConfig:
     # tokens) caps 4 / 5 / 8 gave 39.7 / 39.7 / 37.7 tok/s (means of 3-4 runs, this CPU).
     num_speculative_tokens: int = 5
     # A token tree's draft nodes at most (`proposer="recycling"`: Token Recycling's trees, issue
-    # 62); num_speculative_tokens bounds its depth.
+    # 62; with `spec_tree="on"` the draft model's); num_speculative_tokens bounds its depth.
     tree_rows: int = 8
+    # The draft model proposes token trees (`draft.model_tree`: EAGLE-2-style, the nodes of highest
+    # path probability) instead of chains: "on" | "off" (proposers draft and hybrid).
+    spec_tree: str = "off"
     adaptive_k: bool = True  # choose each step's k from measured costs and acceptance
     # With adaptive_k, a sequence stops drafting once the draft's probability of its drafts so far
     # falls below this (0: never; see DraftModelProposer); the policy then only decides whether
@@ -123,9 +127,14 @@ class EngineConfig:
             raise ValueError(f"proposer {self.proposer!r} needs a draft model")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in 0..16, got {self.num_speculative_tokens}")
-        if self.proposer == "recycling" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError("proposer 'recycling' (token trees) runs on a one-process target for now: "
-                             "set tensor_parallel_size and pipeline_parallel_size to 1, or use another proposer")
+        if self.spec_tree not in SPEC_TREES:
+            raise ValueError(f"spec_tree must be one of {SPEC_TREES}, got {self.spec_tree!r}")
+        if self.spec_tree == "on" and not self.uses_draft_model:
+            raise ValueError(f"spec_tree 'on' grows the draft model's trees: proposer 'draft' or 'hybrid', "
+                             f"got {self.proposer!r} (proposer 'recycling' always proposes trees)")
+        if self.trees and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("token trees (proposer 'recycling', spec_tree 'on') run on a one-process target for "
+                             "now: set tensor_parallel_size and pipeline_parallel_size to 1, or propose chains")
         if not 1 <= self.tree_rows <= 63:
             raise ValueError(f"tree_rows must be in 1..63 (a tree window holds 64 rows), got {self.tree_rows}")
         if not 0.0 <= self.draft_stop_confidence < 1.0:
@@ -168,6 +177,11 @@ class EngineConfig:
             raise ValueError(f"parallel_timeout_s must be positive, got {self.parallel_timeout_s}")
         if not self.prefill_gap_ratio > 1:
             raise ValueError(f"prefill_gap_ratio must be > 1, got {self.prefill_gap_ratio}")
+
+    @property
+    def trees(self) -> bool:
+        """Whether the proposer proposes token trees (recycling, or the draft model with spec_tree on)."""
+        return self.proposer == "recycling" or (self.spec_tree == "on" and self.uses_draft_model)
 
     @property
     def uses_draft_model(self) -> bool:

@@ -101,7 +101,7 @@ class Engine:
             config.max_num_seqs, self.max_model_len,
             self.proposer.draft_slots_needed if self.proposer is not None else (lambda n, k: 0),
             ChunkBudget(config.max_num_batched_tokens, config.max_prefill_chunk, self.chunk_sizer),
-            tree_rows=config.tree_rows if isinstance(self.proposer, RecyclingProposer) else 0,
+            tree_rows=config.tree_rows if config.trees and self.proposer is not None else 0,
         )
         self.planner = StepPlanner(
             self.scheduler, self.policy, drafts_with_model=draft_pool is not None,
@@ -134,7 +134,7 @@ class Engine:
         config = self.config
         if config.speculative and config.uses_draft_model:
             stop_below = config.draft_stop_confidence if config.adaptive_k and not config.steady_steps else 0.0
-            model = DraftModelProposer(draft_runner, self.timings, stop_below)
+            model = DraftModelProposer(draft_runner, self.timings, stop_below, tree=config.spec_tree == "on")
             return model if config.proposer == "draft" else HybridProposer(model)
         if config.speculative and config.proposer == "ngram":
             return NgramProposer(config.ngram_min, config.ngram_max, self.target.device, self.timings)
@@ -310,7 +310,7 @@ class Engine:
             self.proposer.observe(seqs, draft, logits, emitted)
         for b, s in enumerate(seqs):
             if draft.feeds_estimate[b]:  # the adaptive estimate is of the draft model's acceptance
-                s.acceptance.update(draft.num_draft[b], accepted[b])
+                s.acceptance.update(draft.depth(b), accepted[b])
         logprobs: list = [None] * len(seqs)
         if any(s.params.logprobs is not None for s in seqs):
             logprobs = self.verifier.logprobs(
@@ -319,17 +319,21 @@ class Engine:
             )
         for b, s in enumerate(seqs):
             if paths[b] is not None:  # a tree: only the root and the accepted path keep their KV
-                self._keep_tree_path(s, paths[b])
+                self._keep_tree_path(b, s, paths[b])
         return [
             self._commit(s, token_rows[b], accepted[b], draft.num_draft[b], logprobs[b], _bonus(draft, b, paths[b]))
             for b, s in enumerate(seqs)
         ] + handed
 
-    def _keep_tree_path(self, seq: Sequence, path: list[int]) -> None:
+    def _keep_tree_path(self, row: int, seq: Sequence, path: list[int]) -> None:
         """Roll the target's cache back to the tree's root and accepted `path`, the path's KV moved
-        to the positions it now holds (a model-free tree proposer: no draft cache to roll)."""
+        to the positions it now holds; a draft model's cache likewise (its proposer's
+        `keep_tree_path`)."""
         src, dst = seq.target_table.keep_tree_path(seq.num_tokens - 1, path)
         self.target.kv_cache.copy_slots(src, dst)
+        keep_draft = getattr(self.proposer, "keep_tree_path", None)
+        if keep_draft is not None:
+            keep_draft(row, seq, path)
 
     def _propose(self, plan: StepPlan, sampling: SamplingTensors) -> DraftOutput:
         if self.proposer is None:
