@@ -27,10 +27,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="draft model; hybrid: prompt lookup where a 2-gram repeats, else the draft "
                         "model; ngram: prompt lookup only (no model); recycling: a token tree from the "
                         "target's own earlier top candidates and prompt lookup (no model)")
-    g.add_argument("--spec-tree", choices=["on", "off"], default=EngineConfig.spec_tree,
-                   help="on: the draft model proposes token trees (the nodes of highest path probability, "
-                        "verified in one pass) instead of chains; proposers draft and hybrid "
-                        f"(default {EngineConfig.spec_tree})")
+    g.add_argument("--spec-tree", choices=["auto", "on", "off"], default=EngineConfig.spec_tree,
+                   help="the draft model proposes token trees (the nodes of highest path probability, "
+                        "verified in one pass) instead of chains (proposers draft and hybrid): on, trees of "
+                        "--tree-rows nodes; auto, each node only where its measured chance of being kept pays "
+                        f"for its verify row (adaptive k); off, chains (default {EngineConfig.spec_tree})")
     g.add_argument("--tree-rows", type=int, default=EngineConfig.tree_rows, metavar="N",
                    help="with --proposer recycling or --spec-tree on, a token tree's draft nodes at most (-k bounds its depth; "
                         f"default {EngineConfig.tree_rows})")

@@ -92,7 +92,8 @@ class SeqPlan:
     the draft model may propose (under early stop a cap: the proposer may stop sooner);
     `num_lookup` what prompt lookup may propose (hybrid proposer; 0 = no lookup); `draft_fill`
     the tokens the draft's cache is fed without logits (a prefill stretch, or a catch-up chunk of
-    a cache that fell far behind); `tree_rows` how many draft nodes a tree may have (0: chains).
+    a cache that fell far behind); `tree_rows` how many draft nodes a tree may have (0: chains),
+    `tree_gain` what a node must be worth to join a priced tree.
     """
 
     seq: DraftSequence
@@ -101,6 +102,9 @@ class SeqPlan:
     num_lookup: int = 0
     draft_fill: int = 0
     tree_rows: int = 0  # a tree proposer's drafts (nodes) at most; `cap` bounds their depth
+    # priced trees (`spec_tree="auto"`): the chance of being kept that a node must have to pay for
+    # its verify row (the planner's, from measured costs); None: the tree takes `tree_rows` nodes
+    tree_gain: float | None = None
 
 
 @dataclass

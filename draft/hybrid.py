@@ -24,7 +24,7 @@ import torch
 
 from specdec.cache import BlockPool
 from specdec.draft.base import DraftOutput, SamplingTensors, StepPlan
-from specdec.draft.model_proposer import DraftModelProposer
+from specdec.draft.model_proposer import DraftModelProposer, tree_gains
 from specdec.draft.ngram import NgramProposer
 
 
@@ -65,7 +65,8 @@ class HybridProposer:
         if self.model.tree:  # the model's rows are trees, the looked-up ones chains (probs None)
             self.model.trees = []
             nodes = [p.tree_rows for p in plan.rows]
-            out = self.model.draft_tree(seqs, model_k, nodes, sampling) if any(model_k) else None
+            gains = tree_gains(plan.rows)
+            out = self.model.draft_tree(seqs, model_k, nodes, sampling, gains) if any(model_k) else None
         else:
             forcing = self.model.grammar_forced and sampling.controls is not None and any(caps)
             out = self.model.draft(seqs, model_k, sampling, caps) if any(model_k) or forcing else None

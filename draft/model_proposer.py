@@ -8,7 +8,7 @@ from specdec.cache import BlockPool
 from specdec.draft.base import (
     DraftOutput, DraftSequence, ForcingConstraint, SamplingTensors, StepPlan, StepTimings,
 )
-from specdec.draft.model_tree import BEAM, DraftTree, grow_trees
+from specdec.draft.model_tree import BEAM, DraftTree, NodeCalibration, grow_trees
 from specdec.draft.vocab import expand_logits
 from specdec.target.runner import ModelRunner, Window
 from specdec.verify import sample
@@ -43,6 +43,7 @@ class DraftModelProposer:
     ) -> None:
         self.runner = runner
         self.tree = tree  # token trees (`draft.model_tree`) instead of chains
+        self.calibration = NodeCalibration()  # a tree node's measured worth, for priced trees
         self.trees: list[DraftTree | None] = []  # the latest step's trees, per row (`keep_tree_path`)
         self.timings = timings or StepTimings()  # each forward's (rows, seconds) while enabled
         self.stop_below = stop_below
@@ -79,7 +80,8 @@ class DraftModelProposer:
         self.queue_fills(plan)
         seqs = [p.seq for p in plan.rows]
         if self.tree:
-            out = self.draft_tree(seqs, [p.num_draft for p in plan.rows], [p.tree_rows for p in plan.rows], sampling)
+            out = self.draft_tree(seqs, [p.num_draft for p in plan.rows], [p.tree_rows for p in plan.rows], sampling,
+                                  tree_gains(plan.rows))
         else:
             out = self.draft(seqs, [p.num_draft for p in plan.rows], sampling, [p.cap for p in plan.rows])
         self.flush()
@@ -88,12 +90,16 @@ class DraftModelProposer:
     @torch.inference_mode()
     def draft_tree(
         self, seqs: list[DraftSequence], depth: list[int], nodes: list[int], sampling: SamplingTensors,
+        gains: list[float] | None = None,
     ) -> DraftOutput:
         """A token tree per row (`draft.model_tree.grow_trees`), up to `depth[b]` deep and
         `nodes[b]` nodes (0: a chain's k, `depth[b]`); the first forward takes the queued fills.
-        The drafts are deterministic proposals (`probs` None)."""
+        With `gains` (the planner's priced trees, `SeqPlan.tree_gain`), a node joins only where
+        its measured worth pays its verify row, and is fed only where the draft's confidence in
+        its path is at least `stop_below`. The drafts are deterministic proposals (`probs` None)."""
         nodes = [n or d for n, d in zip(nodes, depth)]
-        self.trees = grow_trees(self, seqs, depth, nodes, sampling)
+        self.trees = grow_trees(self, seqs, depth, nodes, sampling, gains, self.calibration,
+                                self.stop_below if gains is not None else 0.0)
         counts = [len(t.tokens) if t else 0 for t in self.trees]
         token_ids = torch.full((len(seqs), max(counts, default=0)), -1, dtype=torch.long)
         for b, t in enumerate(self.trees):
@@ -108,6 +114,8 @@ class DraftModelProposer:
         tree = self.trees[row] if row < len(self.trees) else None
         if tree is None or seq.draft_table is None:
             return
+        kept = set(path)
+        self.calibration.observe(tree.probs, [r in kept for r in range(1, len(tree.tokens) + 1)])
         src, dst = seq.draft_table.keep_tree_path(tree.start - 1, tree.draft_path(path))
         self.runner.kv_cache.copy_slots(src, dst)
 
@@ -258,3 +266,9 @@ class DraftModelProposer:
         table = seq.draft_table
         assert table is not None and table.num_computed < len(seq.token_ids)
         return Window(table, seq.token_ids[table.num_computed :] + forced)
+
+
+def tree_gains(rows) -> list[float] | None:
+    """The plan's priced-tree gains per row (`SeqPlan.tree_gain`), None where the plan prices none."""
+    gains = [p.tree_gain for p in rows]
+    return None if all(g is None for g in gains) else [0.0 if g is None else g for g in gains]

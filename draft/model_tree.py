@@ -14,7 +14,9 @@ descendants could make the tree. A row whose candidates all fall there stops ear
 The draft cache holds the root's prefix; the fed nodes of a level go in one window of the tree
 so far (`Window(parents=...)`: each node attends to the prefix and its ancestors), from the first
 slot after the root, every level re-feeding the earlier levels' nodes at the same slots (they are
-few, and a window's keys are its own rows or the prefix). After verification `keep_path` keeps the
+few, and a window's keys are its own rows or the prefix). While the fed nodes form a chain (one a
+level, each under the one before: what priced trees feed where the draft is sure), a level feeds
+its one node after them instead, as a chain's draft forward does. After verification `keep_path` keeps the
 accepted path's fed nodes, moved to their positions, and drops the rest; the next catch-up feeds
 what the draft never saw.
 
@@ -28,6 +30,7 @@ candidates a .6, b .3, c .3 -> tree [a, b, c] with parents [0, 0, 1] (ties: the 
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -39,6 +42,47 @@ from specdec.target.runner import Window
 
 TOP_CHILDREN = 4  # candidates taken under each fed node
 BEAM = 3  # nodes fed per level and row
+# Calibration bins of the draft's path probability (`NodeCalibration`)
+BIN_EDGES = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+CALIBRATION_PRIOR = 4.0  # a bin starts as this many nodes accepted at its middle probability
+CALIBRATION_DECAY = 0.999  # per observed tree: older trees weigh less
+
+
+class NodeCalibration:
+    """How often a tree node of each draft path probability is on the accepted path (the target
+    keeps it): what a node is worth, in tokens, when the planner prices trees. Bins of
+    `BIN_EDGES`, each from a prior of its middle probability (the draft taken at its word).
+
+    >>> cal = NodeCalibration()
+    >>> round(cal(0.95), 2)          # no tree seen yet: the prior
+    0.95
+    >>> for _ in range(200): cal.observe([0.95], [False])
+    >>> cal(0.95) < 0.2
+    True
+    """
+
+    def __init__(self) -> None:
+        mids = [(a + b) / 2 for a, b in zip(BIN_EDGES, BIN_EDGES[1:])]
+        self.hits = [CALIBRATION_PRIOR * m for m in mids]
+        self.tries = [CALIBRATION_PRIOR] * len(mids)
+
+    @staticmethod
+    def _bin(p: float) -> int:
+        return min(max(bisect.bisect_right(BIN_EDGES, p) - 1, 0), len(BIN_EDGES) - 2)
+
+    def __call__(self, p: float) -> float:
+        """The measured chance that a node of draft path probability `p` is accepted."""
+        b = self._bin(p)
+        return self.hits[b] / self.tries[b]
+
+    def observe(self, probs: list[float], accepted: list[bool]) -> None:
+        """One verified tree: each node's draft path probability and whether it was kept."""
+        self.hits = [h * CALIBRATION_DECAY for h in self.hits]
+        self.tries = [t * CALIBRATION_DECAY for t in self.tries]
+        for p, hit in zip(probs, accepted):
+            b = self._bin(p)
+            self.tries[b] += 1.0
+            self.hits[b] += hit
 
 
 @dataclass
@@ -59,6 +103,7 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)
     start: int = 0  # the draft table's first tree slot (the root's position + 1)
+    probs: list[float] = field(default_factory=list)  # each draft's path probability under the draft
 
     def draft_path(self, path: list[int]) -> list[int]:
         """The draft window's rows (1 + fed row) of the accepted `path`'s fed prefix (verify rows)."""
@@ -73,10 +118,13 @@ class DraftTree:
 class _RowTree:
     """One row's candidates while the tree grows."""
 
-    def __init__(self, nodes: int, depth: int, start: int) -> None:
+    def __init__(self, nodes: int, depth: int, start: int, worth=None, feed_from: float = 0.0) -> None:
         self.nodes, self.depth, self.start = nodes, depth, start
+        self.worth = worth  # a candidate's score -> whether it pays its verify row (None: all do)
+        self.feed_from = math.log(feed_from) if feed_from > 0 else -math.inf
         self.cands: list[_Node] = []
         self.fed: list[int] = []  # candidate indices in fed order
+        self.is_chain = True  # the fed nodes so far are each under the one before
         self.best: list[float] = []  # min-heap of the `nodes` best scores so far
 
     def bar(self) -> float:
@@ -91,7 +139,7 @@ class _RowTree:
         added = []
         for v, t in zip(values.tolist(), ids.tolist()):
             score = base + v
-            if score == -math.inf or score <= self.bar():
+            if score == -math.inf or score <= self.bar() or (self.worth is not None and not self.worth(score)):
                 continue
             self.cands.append(_Node(t, parent, depth, score))
             added.append(len(self.cands) - 1)
@@ -105,7 +153,7 @@ class _RowTree:
         if not added or self.cands[added[0]].depth >= self.depth:
             return []
         order = sorted(added, key=lambda i: -self.cands[i].score)[:BEAM]
-        return [i for i in order if self.cands[i].score > self.bar()]
+        return [i for i in order if self.cands[i].score > self.bar() and self.cands[i].score >= self.feed_from]
 
     def path(self, i: int) -> list[int]:
         tokens = []
@@ -130,14 +178,21 @@ class _RowTree:
             tree.parents.append(rows[node.parent] if node.parent >= 0 else 0)
             tree.tokens.append(node.token)
             tree.fed.append(node.fed)
+            tree.probs.append(math.exp(node.score))
         return tree
 
 
 def grow_trees(
     proposer, seqs: list[DraftSequence], depth: list[int], nodes: list[int], sampling: SamplingTensors,
+    gains: list[float] | None = None, calibration: NodeCalibration | None = None, feed_from: float = 0.0,
 ) -> list[DraftTree | None]:
     """A tree per row (None where `depth[b]` or `nodes[b]` is 0); `proposer` a `DraftModelProposer`
-    whose queued fills ride in the catch-up forward."""
+    whose queued fills ride in the catch-up forward.
+
+    Priced trees (`gains`, with a `calibration`): a candidate joins row b's tree only where its
+    measured chance of being kept is at least `gains[b]` (the tokens a verify row must bring to
+    pay for itself), and is fed only with a draft path probability of at least `feed_from` (the
+    chain's early stop: a draft forward for its children pays only where the draft is sure)."""
     rows = [b for b in range(len(seqs)) if depth[b] > 0 and nodes[b] > 0]
     trees: dict[int, _RowTree] = {}
     if not rows:
@@ -145,7 +200,10 @@ def grow_trees(
     windows = [proposer._catch_up(seqs[b], []) for b in rows] + proposer._take_fill()
     logits = proposer._forward(windows)  # [A, V]: each row's root
     for b in rows:
-        trees[b] = _RowTree(nodes[b], depth[b], seqs[b].draft_table.num_computed)
+        worth = None
+        if gains is not None and calibration is not None:
+            worth = lambda score, gain=gains[b]: calibration(math.exp(score)) >= gain  # noqa: E731
+        trees[b] = _RowTree(nodes[b], depth[b], seqs[b].draft_table.num_computed, worth, feed_from)
     owners = list(rows)
     parents = [-1] * len(rows)  # the candidate each logits row scores (-1: the root)
     while owners:
@@ -161,14 +219,20 @@ def grow_trees(
             new = tree.to_feed(added)
             if not new:
                 continue
+            extends = tree.is_chain and len(new) == 1 and tree.cands[new[0]].parent == (tree.fed[-1] if tree.fed else -1)
             for c in new:
                 tree.cands[c].fed = len(tree.fed)
                 tree.fed.append(c)
             table = seqs[b].draft_table
-            table.num_computed = tree.start  # every level re-feeds the tree from its first slot
-            w = tree.window(table)
-            w.num_logits = len(new)
-            windows.append(w)
+            if extends:  # the fed nodes are a chain: the new one is fed after them, as a chain's draft
+                table.num_computed = tree.start + len(tree.fed) - 1
+                windows.append(Window(table, [tree.cands[new[0]].token], 1))
+            else:  # the tree so far again, from its first slot (its nodes see only their ancestors)
+                tree.is_chain = False
+                table.num_computed = tree.start
+                w = tree.window(table)
+                w.num_logits = len(new)
+                windows.append(w)
             owners += [b] * len(new)
             parents += new
         if windows:

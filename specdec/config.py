@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from specdec.target.quant.modes import QUANT_MODES
 
 PROPOSERS = ("draft", "hybrid", "ngram", "recycling", "none")
-SPEC_TREES = ("off", "on")
+SPEC_TREES = ("auto", "on", "off")
 KV_DTYPES = ("auto", "fp8")
 ATTENTION_BACKENDS = ("auto", "torch", "c", "triton")
 CUDA_GRAPHS = ("auto", "on", "off")
@@ -37,7 +37,10 @@ class EngineConfig:
     # 62; with `spec_tree="on"` the draft model's); num_speculative_tokens bounds its depth.
     tree_rows: int = 8
     # The draft model proposes token trees (`draft.model_tree`: EAGLE-2-style, the nodes of highest
-    # path probability) instead of chains: "on" | "off" (proposers draft and hybrid).
+    # path probability) instead of chains (proposers draft and hybrid): "on", trees of `tree_rows`
+    # nodes; "auto" (with adaptive_k), priced trees: a node joins only where its measured chance of
+    # being kept pays for its verify row (`SpeculationPolicy.node_gain`), so where rows cost
+    # little trees grow wide and where they cost much they shrink to the chain; "off", chains.
     spec_tree: str = "off"
     adaptive_k: bool = True  # choose each step's k from measured costs and acceptance
     # With adaptive_k, a sequence stops drafting once the draft's probability of its drafts so far
@@ -181,7 +184,14 @@ class EngineConfig:
     @property
     def trees(self) -> bool:
         """Whether the proposer proposes token trees (recycling, or the draft model with spec_tree on)."""
-        return self.proposer == "recycling" or (self.spec_tree == "on" and self.uses_draft_model)
+        return self.proposer == "recycling" or self.draft_trees
+
+    @property
+    def draft_trees(self) -> bool:
+        """Whether the draft model proposes trees: spec_tree "on", or "auto" under adaptive_k on a
+        one-process target."""
+        on = self.spec_tree == "on" or (self.spec_tree == "auto" and self.adaptive_k and self.parallel_size == 1)
+        return on and self.uses_draft_model and self.speculative
 
     @property
     def uses_draft_model(self) -> bool:

@@ -107,6 +107,7 @@ class Engine:
             self.scheduler, self.policy, drafts_with_model=draft_pool is not None,
             looks_up=config.proposer == "hybrid" and self.proposer is not None,
             early_stop=config.uses_draft_model and config.draft_stop_confidence > 0, steady=config.steady_steps,
+            priced_trees=config.draft_trees and config.spec_tree == "auto",
         )
         for pool in self._pools().values():
             pool.enable_caching = config.enable_prefix_caching
@@ -134,7 +135,7 @@ class Engine:
         config = self.config
         if config.speculative and config.uses_draft_model:
             stop_below = config.draft_stop_confidence if config.adaptive_k and not config.steady_steps else 0.0
-            model = DraftModelProposer(draft_runner, self.timings, stop_below, tree=config.spec_tree == "on")
+            model = DraftModelProposer(draft_runner, self.timings, stop_below, tree=config.draft_trees)
             return model if config.proposer == "draft" else HybridProposer(model)
         if config.speculative and config.proposer == "ngram":
             return NgramProposer(config.ngram_min, config.ngram_max, self.target.device, self.timings)

@@ -252,6 +252,20 @@ class SpeculationPolicy:
         tokens = sum(expected_tokens(a, min(k, cap)) for a, cap in zip(rates, caps))
         return tokens / self.step_seconds(k, caps, lags)
 
+    def node_gain(self, k: int, rates: list[float], caps: list[int], lags: list[int] | None = None) -> float:
+        """The chance of being kept that a token tree's node must have to pay for its verify row
+        (priced trees, `spec_tree="auto"`): one more row's seconds (`row_seconds`) times the tokens
+        per second the batch is expected to make at k. A node worth less slows the step more than
+        it adds."""
+        rows = sum(min(k, cap) for cap in caps) + len(caps)
+        return self.row_seconds(rows) * self.expected_rate(k, rates, caps, lags)
+
+    def row_seconds(self, rows: int) -> float:
+        """What one more verify row costs near `rows`: the slope of the verify costs from `rows`
+        to twice as many (0 until a larger size was measured: such rows get tried)."""
+        rows = max(rows, 1)
+        return max(self.verify_cost(2 * rows) - self.verify_cost(rows), 0.0) / rows
+
     def step_seconds(self, k: int, caps: list[int], lags: list[int] | None = None, upper: bool = False) -> float:
         """A step's expected seconds when every sequence drafts min(k, its cap): the draft
         forwards (the first feeds each drafting cache's lag) and the verify forward. `upper`:

@@ -54,9 +54,11 @@ class StepPlanner:
 
     def __init__(
         self, scheduler: Scheduler, policy: SpeculationPolicy | None, *, drafts_with_model: bool,
-        looks_up: bool, early_stop: bool, steady: bool = False,
+        looks_up: bool, early_stop: bool, steady: bool = False, priced_trees: bool = False,
     ) -> None:
         self.scheduler, self.policy = scheduler, policy
+        self.priced_trees = priced_trees and policy is not None  # trees' nodes priced (`node_gain`)
+        self.node_gain: float | None = None  # this step's, for priced trees
         self.drafts_with_model, self.looks_up = drafts_with_model, looks_up
         self.early_stop, self.steady = early_stop and not steady, steady
         self.steady_k: int | None = None  # steady steps: the batch's k, kept until another pays enough
@@ -71,6 +73,7 @@ class StepPlanner:
             if self.scheduler is not None and self.scheduler.tree_rows:  # a tree proposer's node budgets
                 for p in rows:
                     p.tree_rows = self.scheduler.num_rows(p.seq) if p.num_draft else 0
+                    p.tree_gain = self.node_gain if p.num_draft else None
             if self.looks_up and (any(p.num_draft for p in rows) or len(rows) == 1):
                 for p in rows:
                     p.num_lookup = max(p.num_draft, min(p.cap, LOOKUP_MIN_TOKENS))
@@ -106,6 +109,8 @@ class StepPlanner:
                 k = self.steady_k = self._steady(k, lambda k: self.policy.expected_rate(k, rates, caps, lags),
                                                  lambda k: self.policy.step_seconds(k, caps, lags, upper=True) <= limit)
             ks = [min(k, cap) for cap in caps]
+            if self.priced_trees:
+                self.node_gain = self.policy.node_gain(k, rates, caps, lags)
         for p, k in zip(rows, ks):
             p.num_draft = self._catch_up_first(p, k, alone)
         if self.policy is not None and self.early_stop:
