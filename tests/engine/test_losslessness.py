@@ -125,6 +125,23 @@ def test_hybrid_proposer_output_distribution_is_the_targets():
     assert 0.02 < sum(lookups) / len(lookups) < 0.98  # both kinds of rows were verified
 
 
+def _second_third_tv(outs, hf_target) -> float:
+    """Total variation between the outputs' joint of tokens 2 and 3 and the target's exact joint
+    (marginalized over token 1, which the prefill samples)."""
+    counts = torch.zeros(V, V)
+    for o in outs:
+        counts[o.token_ids[1], o.token_ids[2]] += 1
+
+    def dist(ids):
+        with torch.no_grad():
+            return torch.softmax(hf_target(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+    p1 = dist(PROMPT)
+    exact = sum(p1[x] * torch.stack([dist(PROMPT + [x])[y] * dist(PROMPT + [x, y]) for y in range(V)])
+                for x in range(V))
+    return 0.5 * (counts / N - exact).abs().sum().item()
+
+
 def test_early_stopped_drafts_keep_the_output_distribution_the_targets():
     """Drafting that stops once the draft's confidence drops stays lossless.
 
@@ -143,22 +160,7 @@ def test_early_stopped_drafts_keep_the_output_distribution_the_targets():
     propose = engine.proposer.propose
     engine.proposer.propose = lambda *a, **kw: (out := propose(*a, **kw), drafted.extend(out.num_draft))[0]
     torch.manual_seed(0)
-    outs = engine.generate([PROMPT] * N, params)
-    counts = torch.zeros(V, V)
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-
-    def dist(ids):
-        with torch.no_grad():
-            return torch.softmax(hf_target(torch.tensor([ids])).logits[0, -1].float(), -1)
-
-    p1 = dist(PROMPT)
-    exact = torch.zeros(V, V)
-    for x1 in range(V):
-        p2 = dist(PROMPT + [x1])
-        for x2 in range(V):
-            exact[x2] += p1[x1] * p2[x2] * dist(PROMPT + [x1, x2])
-    tv = 0.5 * (counts / N - exact).abs().sum().item()
+    tv = _second_third_tv(engine.generate([PROMPT] * N, params), hf_target)
     assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
     drafted = [n for n in drafted if n]
     stopped = sum(n == 1 for n in drafted) / len(drafted)
@@ -321,20 +323,29 @@ def test_token_tree_output_distribution_is_the_targets():
     engine.proposer.observe = lambda seqs, draft, *a: seen.append(draft.parents is not None and any(
         p is not None and len(set(p)) < len(p) for p in draft.parents)) or observe(seqs, draft, *a)
     torch.manual_seed(0)
-    outs = engine.generate([PROMPT] * N, params)
-    counts = torch.zeros(V, V)
-    for o in outs:
-        counts[o.token_ids[1], o.token_ids[2]] += 1
-
-    def dist(ids):
-        with torch.no_grad():
-            return torch.softmax(hf_target(torch.tensor([ids])).logits[0, -1].float(), -1)
-
-    p1 = dist(PROMPT)
-    exact = sum(p1[x] * torch.stack([dist(PROMPT + [x])[y] * dist(PROMPT + [x, y]) for y in range(V)])
-                for x in range(V))
-    tv = 0.5 * (counts / N - exact).abs().sum().item()
+    tv = _second_third_tv(engine.generate([PROMPT] * N, params), hf_target)
     assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
     assert any(seen)  # trees with siblings were verified
+    assert 0.02 < engine.stats.num_accepted_tokens / max(1, engine.stats.num_draft_tokens) < 0.98
+    assert all(u["used"] == 0 for u in engine.kv_usage().values())
+
+
+def test_draft_model_trees_keep_the_output_distribution_the_targets():
+    """The draft model's token trees (`spec_tree="on"`: the nodes of highest draft path
+    probability, deterministic proposals) verified by multi-candidate rejection sampling stay
+    lossless at T = 1; trees with siblings were verified and the draft's cache rolled back."""
+    params = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True)
+    hf_target = tiny_hf_model("llama", seed=3, vocab_size=V)
+    hf_draft = tiny_hf_model("llama", seed=4, vocab_size=V, num_hidden_layers=1)
+    engine = make_engine(from_hf(hf_target), from_hf(hf_draft), spec_tree="on", num_speculative_tokens=3,
+                         tree_rows=6, max_num_seqs=N, num_blocks=4 * N, block_size=4)
+    siblings = []
+    keep = engine.proposer.keep_tree_path
+    engine.proposer.keep_tree_path = lambda row, seq, path: siblings.append(
+        len(set(engine.proposer.trees[row].parents)) < len(engine.proposer.trees[row].parents)) or keep(row, seq, path)
+    torch.manual_seed(0)
+    tv = _second_third_tv(engine.generate([PROMPT] * N, params), hf_target)
+    assert tv < TV_TOLERANCE, f"total variation {tv:.4f}"
+    assert any(siblings)
     assert 0.02 < engine.stats.num_accepted_tokens / max(1, engine.stats.num_draft_tokens) < 0.98
     assert all(u["used"] == 0 for u in engine.kv_usage().values())

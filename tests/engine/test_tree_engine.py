@@ -96,3 +96,47 @@ def test_draft_model_trees_keep_the_accepted_paths_kv_in_the_draft_cache(pair):
             tree = engine.proposer.trees[0] if engine.proposer.trees else None
             moved += tree is not None and any(f >= 0 for f in tree.fed)
     assert moved > 0 and engine.stats.num_accepted_tokens > 0
+
+
+def test_priced_draft_trees_give_the_target_only_tokens_and_follow_the_price(pair, reference):
+    """`spec_tree="auto"` (adaptive k): the same greedy tokens, pools at zero; a node joins only
+    where its measured worth pays the planner's price: nothing pays 2 tokens a row, everything
+    pays 0 (then trees fill `tree_rows`)."""
+    target, draft = pair
+    drafted = {}
+    for price in (None, 2.0, 0.0):
+        engine = make_engine(target, draft, spec_tree="auto", adaptive_k=True, num_speculative_tokens=4,
+                             tree_rows=6, num_blocks=128)
+        assert engine.proposer.tree and engine.planner.priced_trees
+        if price is not None:
+            engine.policy.node_gain = lambda *a, price=price: price
+            engine.policy.best_k = lambda rates, caps, *a, **kw: max(caps, default=0)  # always draft
+        assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == reference
+        assert all(u["used"] == 0 for u in engine.kv_usage().values())
+        drafted[price] = engine.stats.num_draft_tokens
+    assert drafted[2.0] == 0 < drafted[0.0]
+
+
+def test_priced_draft_trees_roll_the_draft_cache_back(pair):
+    target, _ = pair
+    engine = make_engine(target, target, spec_tree="auto", adaptive_k=True, num_speculative_tokens=5,
+                         tree_rows=10, num_blocks=128, enable_prefix_caching=False)
+    engine.add_request(PROMPTS[2], GREEDY)
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            assert _draft_kv_is_a_fresh_prefills(engine, seq)
+    assert engine.stats.num_accepted_tokens > 0
+
+
+def test_spec_tree_settings_are_checked():
+    from specdec.config import EngineConfig
+
+    with pytest.raises(ValueError, match="spec_tree"):
+        EngineConfig(spec_tree="wide")
+    with pytest.raises(ValueError, match="draft model's trees"):
+        EngineConfig(spec_tree="on", proposer="ngram", draft=None)
+    assert not EngineConfig(spec_tree="auto", adaptive_k=False).draft_trees  # priced trees need the policy
+    assert not EngineConfig(spec_tree="auto", tensor_parallel_size=2).draft_trees
+    with pytest.raises(ValueError, match="one-process target"):
+        EngineConfig(spec_tree="on", tensor_parallel_size=2)
