@@ -92,6 +92,9 @@ class BlockPool:
         self._keys: list[BlockKey | None] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
         self.stats = PrefixCacheStats()
+        # a hybrid model's `state_cache.RecurrentStateCache`, whose slots the tables of this pool
+        # take (`BlockTable.state_slot`); None: the model has no linear-attention layers
+        self.states = None
 
     @property
     def num_blocks(self) -> int:

@@ -28,6 +28,9 @@ class BlockTable:
         self.block_ids: list[int] = []
         self.block_keys: list[BlockKey] = []  # keys of the frozen blocks block_ids[:len(block_keys)]
         self.num_computed = 0
+        # a hybrid model's recurrent-state slot (`state_cache`), taken on the first forward from
+        # `pool.states` and given back by `free`; None: none taken (or no linear-attention layers)
+        self.state_slot: int | None = None
 
     def __repr__(self) -> str:
         return (
@@ -200,3 +203,6 @@ class BlockTable:
         self.block_ids = []
         self.block_keys = []
         self.num_computed = 0
+        if self.state_slot is not None:
+            self.pool.states.release(self.state_slot)
+            self.state_slot = None

@@ -36,6 +36,8 @@ class AttentionMetadata:
     # A padded static step's (`target.static_step`): the metadata of its real rows and sequences,
     # what backends reading host lengths attend with (the rows past it are padding); None: unpadded
     real: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
+    # A hybrid model's recurrent states for this step's windows (`state_cache.StateBatch`); None: none
+    states: Any = field(default=None, repr=False, compare=False)
     # What an attention backend derives from the fields above, computed by the first layer of a
     # forward and reused by the others (index tensors, masks); keyed by the backend.
     scratch: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)

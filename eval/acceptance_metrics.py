@@ -6,6 +6,7 @@ same prompt gives its decode steps (every step after the first token, one token 
 drafting steps, summed over prompts:
 
 - acceptance rate = sum a / sum n (vLLM's; it counts drafts never reached after a rejection);
+  drafts per step = sum n / S;
 - alpha, the per-token acceptance probability: the maximum-likelihood fit of the i.i.d. model
   (each draft accepted with probability alpha until the first rejection), sum a / (sum a +
   rejections), a rejection being a step with a < n. The original paper's E[beta];
@@ -21,6 +22,11 @@ drafting steps, summed over prompts:
 - speedup = (tokens / seconds) speculative / (tokens / seconds) target-only, whole requests
   (prefill included), as a user sees it.
 
+A token tree's step drafts n nodes but keeps one path: its acceptance rate and drafts per step
+count the nodes, while alpha, the rejections, tau predicted and acceptance by position take the
+tree's depth d as the drafts n of a chain (a < d is a rejection). Tau measured against tau
+predicted then shows what the tree's other branches bought over a chain of its depth.
+
 Every figure is a ratio of sums over prompts, so `bootstrap` gives each a 95% interval.
 """
 
@@ -34,7 +40,7 @@ from specdec.eval.bootstrap import Estimate, bootstrap
 from specdec.eval.metrics import RequestTrace
 from specdec.eval.runner import StepRecord
 
-FIGURES = ("acceptance_rate", "alpha", "tau", "tau_predicted", "draft_cost", "verify_cost",
+FIGURES = ("acceptance_rate", "drafts_per_step", "alpha", "tau", "tau_predicted", "draft_cost", "verify_cost",
            "draft_forwards_per_step", "step_cost", "decode_speedup", "decode_speedup_predicted", "speedup")
 
 
@@ -44,16 +50,16 @@ def prompt_counts(
     """One prompt's counts: its run at k (trace, steps) and its target-only run (trace, steps)."""
     (spec_trace, spec_steps), (target_trace, target_steps) = spec, target
     drafting = [s for s in spec_steps if s.num_drafted > 0]
-    if any(s.num_drafted > k for s in drafting):
-        raise ValueError(f"a step drafted more than k = {k} tokens: was the run made at this k?")
-    steps_by_drafts = np.zeros(k + 1)  # [k+1] steps that drafted n tokens, at index n
+    if any(s.chain_length > k for s in drafting):
+        raise ValueError(f"a step drafted more than k = {k} tokens deep: was the run made at this k?")
+    steps_by_drafts = np.zeros(k + 1)  # [k+1] steps whose path held n drafts (a tree: its depth), at index n
     for s in drafting:
-        steps_by_drafts[s.num_drafted] += 1
+        steps_by_drafts[s.chain_length] += 1
     decode = target_steps[1:]  # the first step is the prefill that made the first token
     counts = {
         "drafted": sum(s.num_drafted for s in drafting),
         "accepted": sum(s.num_accepted for s in drafting),
-        "rejections": sum(1 for s in drafting if s.num_accepted < s.num_drafted),
+        "rejections": sum(1 for s in drafting if s.num_accepted < s.chain_length),
         "step_seconds": sum(s.seconds for s in drafting),
         "draft_seconds": sum(s.draft_seconds for s in drafting),
         "draft_forwards": sum(s.num_draft_forwards for s in drafting),
@@ -85,6 +91,7 @@ def figures(sums: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     step_cost = sums["step_seconds"] / steps / target_step
     return {
         "acceptance_rate": accepted / sums["drafted"],
+        "drafts_per_step": sums["drafted"] / steps,
         "alpha": alpha,
         "tau": tau,
         "tau_predicted": tau_predicted,
@@ -105,11 +112,11 @@ def estimate(per_prompt: Sequence[dict[str, np.ndarray]]) -> dict[str, Estimate]
 
 
 def position_acceptance(steps: Sequence[StepRecord]) -> dict[str, list]:
-    """Per draft position i: steps that drafted it, steps whose drafts 1..i were all accepted,
-    and their ratio. Example: steps (4, 2), (4, 4) -> acceptance [1.0, 1.0, 0.5, 0.5]."""
+    """Per draft position i (a tree: depth i): steps that drafted it, steps whose drafts 1..i
+    were all accepted, and their ratio. Example: steps (4, 2), (4, 4) -> acceptance [1.0, 1.0, 0.5, 0.5]."""
     drafting = [s for s in steps if s.num_drafted > 0]
-    k_max = max((s.num_drafted for s in drafting), default=0)
-    drafted = [sum(1 for s in drafting if s.num_drafted > i) for i in range(k_max)]
+    k_max = max((s.chain_length for s in drafting), default=0)
+    drafted = [sum(1 for s in drafting if s.chain_length > i) for i in range(k_max)]
     accepted = [sum(1 for s in drafting if s.num_accepted > i) for i in range(k_max)]
     return {
         "drafted_by_position": drafted,

@@ -10,6 +10,7 @@ from specdec.eval import report
 # (figure, column header, suffix) in table order; every cell shows "value [low, high]"
 COLUMNS = (
     ("acceptance_rate", "acceptance rate", ""),
+    ("drafts_per_step", "drafts / step", ""),
     ("alpha", "α per token", ""),
     ("tau", "τ measured", ""),
     ("tau_predicted", "τ from α", ""),
@@ -25,6 +26,8 @@ DEFINITIONS = (
     "acceptance rate: accepted / drafted tokens; α: per-token acceptance probability, the i.i.d. fit "
     "accepted / (accepted + rejections); τ: tokens per target pass, the bonus/recovered token "
     "included; τ from α: mean over verify steps of (1 - α^(n+1)) / (1 - α), n the step's drafts; "
+    "token trees: drafts count the nodes, while α, τ from α and acceptance by position take the "
+    "tree's depth as n (τ above τ from α: what the other branches bought); "
     "c: seconds per draft forward / seconds per target-only decode step; v: the rest of a drafting "
     "step (verify pass, sampling) / target-only decode step; decode speedup: τ / (f·c + v), f draft "
     "forwards per step (measured), and from α: τ from α / (f·c + v); speedup (whole requests): "

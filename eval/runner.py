@@ -74,6 +74,12 @@ class StepRecord:
     seconds: float  # wall time of the whole `engine.step()`
     draft_seconds: float = 0.0  # of it, the draft model's timed forwards (0 when untimed)
     num_draft_forwards: int = 0
+    depth: int | None = None  # a token tree's longest path (num_drafted counts its nodes); None: a chain
+
+    @property
+    def chain_length(self) -> int:
+        """The drafts one path of this step held: a chain's drafts, a tree's depth."""
+        return self.num_drafted if self.depth is None else self.depth
 
 
 def time_draft_forwards(engine) -> bool:
@@ -105,7 +111,7 @@ def run_request(
             for delta in deltas:
                 steps.append(StepRecord(
                     delta.num_drafted, delta.num_accepted, now - start,
-                    sum(s for _, s in draft_timings), len(draft_timings),
+                    sum(s for _, s in draft_timings), len(draft_timings), delta.draft_depth,
                 ))
                 if delta.token_ids:
                     trace.add_chunk(now, len(delta.token_ids))

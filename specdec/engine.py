@@ -79,6 +79,10 @@ class Engine:
         self.tokenizer = tokenizer
         self.proposer_note: str | None = None  # why the proposer is not the one asked for
         self.target, draft_runner = build_runners(config, target, draft)
+        if config.trees and config.speculative and any(
+                getattr(r, "states", None) is not None for r in (self.target, draft_runner) if r is not None):
+            raise ValueError("token trees (proposer 'recycling', spec_tree 'on') over a hybrid (linear-attention) "
+                             "model are not supported: a recurrent state follows one path; use chains")
         self.timings = StepTimings()  # this step's timed forwards, for the policy
         self.proposer = self._build_proposer(draft_runner)
         self.runners = [self.target] + ([draft_runner] if self.proposer is not None and draft_runner else [])
@@ -109,8 +113,8 @@ class Engine:
             early_stop=config.uses_draft_model and config.draft_stop_confidence > 0, steady=config.steady_steps,
             priced_trees=config.draft_trees and config.spec_tree == "auto",
         )
-        for pool in self._pools().values():
-            pool.enable_caching = config.enable_prefix_caching
+        for pool in self._pools().values():  # a hybrid's recurrent states have no snapshots at block ends
+            pool.enable_caching = config.enable_prefix_caching and pool.states is None
         self.num_scheduled = 0  # sequences the latest step ran (a step may emit nothing: prefill chunks)
         self.eos_token_ids = set(target.config.eos_token_ids)
         if tokenizer is not None:
@@ -322,7 +326,8 @@ class Engine:
             if paths[b] is not None:  # a tree: only the root and the accepted path keep their KV
                 self._keep_tree_path(b, s, paths[b])
         return [
-            self._commit(s, token_rows[b], accepted[b], draft.num_draft[b], logprobs[b], _bonus(draft, b, paths[b]))
+            self._commit(s, token_rows[b], accepted[b], draft.num_draft[b], logprobs[b], _bonus(draft, b, paths[b]),
+                         draft.depth(b) if draft.tree(b) is not None else None)
             for b, s in enumerate(seqs)
         ] + handed
 
@@ -386,10 +391,11 @@ class Engine:
 
     def _commit(
         self, seq: Sequence, row: list[int], num_accepted: int, num_draft: int,
-        logprobs: list[TokenLogprobs] | None = None, bonus: bool | None = None,
+        logprobs: list[TokenLogprobs] | None = None, bonus: bool | None = None, depth: int | None = None,
     ) -> StepDelta:
         """Append accepted (+1) tokens up to a stop, roll both caches back, finish if done.
-        `bonus`: the last token followed every draft there was (None: a chain's, all accepted)."""
+        `bonus`: the last token followed every draft there was (None: a chain's, all accepted);
+        `depth`: a tree's longest path (None: a chain)."""
         new = row[: num_accepted + 1]
         bonus = num_accepted == num_draft if bonus is None else bonus
         last = TokenOrigin.TARGET if num_draft == 0 else TokenOrigin.BONUS if bonus else TokenOrigin.RECOVERED
@@ -422,6 +428,7 @@ class Engine:
             seq.stats if reason is not None else None, logprobs,
             prompt_logprobs=_prompt_logprobs(seq) if first else None,
             stop_string=seq.detokenizer.matched if reason == "stop" and seq.detokenizer is not None else None,
+            draft_depth=depth,
         )
 
     # ---- prefill/decode disaggregation (specdec.handoff) ---------------------------------------
@@ -452,6 +459,9 @@ class Engine:
         if getattr(self.target, "group", None) is not None:
             raise ValueError("prefill/decode handoff of a tensor- or pipeline-parallel target is not supported: "
                              "its cache is spread over the ranks")
+        if any(getattr(r, "states", None) is not None for r in self.kv_runners().values()):
+            raise ValueError("prefill/decode handoff of a hybrid (linear-attention) model is not supported: its "
+                             "recurrent states do not travel with the KV blocks")
         return self.kv_runners()
 
     def kv_runners(self) -> dict[str, ModelRunner]:

@@ -237,12 +237,17 @@ def build_runners(
         per_block = [ModelRunner.kv_spec(m, config.block_size, kv_dtype).bytes_per_block() for m in models]
         num_blocks = max(1, int(config.kv_cache_memory_gib * GIB) // sum(per_block))
     output_vocab = target.config.vocab_size
+    # hybrid models: a recurrent-state slot per running sequence, as of its last k + 2 lengths
+    states = {"state_slots": config.max_num_seqs, "state_depth": config.num_speculative_tokens + 2}
     runners = [
         ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks, output_vocab=output_vocab,
-                          attention_backend=config.attention_backend, static_steps=config.static_steps)
+                          attention_backend=config.attention_backend, static_steps=config.static_steps, **states)
         for m in models[1:]
     ]
     if (group := getattr(target, "rank_group", None)) is not None:
+        if getattr(target.config, "linear", None) is not None:
+            raise ValueError("a hybrid (linear-attention) target runs on one process: tensor and pipeline "
+                             "parallelism do not split its recurrent states")
         from specdec.parallel.group import ParallelRunner
 
         cache = PagedKVCache(ModelRunner.kv_spec(target, config.block_size, kv_dtype), num_blocks)
@@ -250,6 +255,6 @@ def build_runners(
     else:
         runners.insert(0, ModelRunner.build(target, config.block_size, kv_dtype, num_blocks=num_blocks,
                                             output_vocab=output_vocab, attention_backend=config.attention_backend,
-                                            static_steps=config.static_steps))
+                                            static_steps=config.static_steps, **states))
     return runners[0], (runners[1] if uses_draft else None)
 

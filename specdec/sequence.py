@@ -134,6 +134,8 @@ class StepDelta:
     # params.prompt_logprobs, on the request's first delta: [None] + prompt tokens 1..'s
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_string: str | None = None  # on the finishing delta of a request a stop string ended (Anthropic's stop_sequence)
+    # a token tree's depth (its longest path of drafts; num_drafted counts its nodes); None: a chain
+    draft_depth: int | None = None
 
 
 @dataclass

@@ -37,9 +37,12 @@ SUPPORTED_ARCHITECTURES = {
     # multi-head latent attention (`MLAConfig`) over mixtures of experts
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    # hybrid: Gated DeltaNet linear attention beside full attention (`LinearAttentionConfig`)
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 MLA_TYPES = ("deepseek_v2", "deepseek_v3")
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", *MLA_TYPES)
+HYBRID_TYPES = ("qwen3_next",)
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next", *MLA_TYPES)
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Multimodal configs whose text model we run (the image tower is not loaded).
 TEXT_OF_MULTIMODAL = ("gemma3",)
@@ -126,6 +129,32 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """A hybrid model's Gated DeltaNet layers (Qwen3-Next; `target/linear_attention.py`): a causal
+    short convolution over q, k and v, then the gated delta rule's recurrent state per value head,
+    `[key_head_dim, value_head_dim]`; each key head serves num_value_heads // num_key_heads value heads."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[int, ...]  # the linear-attention layers (the rest are full attention)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
 @dataclass
 class ModelConfig:
     """Shapes and hyper-parameters of one decoder (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3,
@@ -169,9 +198,17 @@ class ModelConfig:
     logit_divisor: float | None = None  # Granite: logits divided by `logits_scaling`
     moe: MoEConfig | None = None  # sparse MLPs (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek); None: dense
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek-V2/V3); None: GQA
+    # hybrid models (Qwen3-Next): the Gated DeltaNet layers' shapes, and which layers they are
+    linear: LinearAttentionConfig | None = None
+    offset_norms: bool = False  # Qwen3-Next: RMSNorm scales by (1 + w) in fp32 (Gemma's norm, not its layer)
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a per-head gate, out * sigmoid(gate)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return self.moe is not None and self.moe.is_sparse(layer_idx)
+
+    def is_linear_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` is a Gated DeltaNet layer (a hybrid model's linear attention)."""
+        return self.linear is not None and layer_idx in self.linear.layers
 
     def window(self, layer_idx: int) -> int | None:
         """Layer `layer_idx`'s sliding window (None: it attends to every earlier key)."""
@@ -192,6 +229,8 @@ class ModelConfig:
             "no-rope layers": any(self.nope_layers), "partial rotary": self.rotary_dim is not None, "residual scale": self.residual_scale is not None,
             "rope pairs": self.rope_pairs, "GLM norms": self.glm_norms,
             "fused checkpoint gate_up": self.fused_gate_up, "attention sinks": self.attention_sinks,
+            "linear attention": self.linear is not None, "offset norms": self.offset_norms,
+            "attention output gate": self.attn_output_gate,
         }
         return [name for name, present in features.items() if present]
 
@@ -206,7 +245,8 @@ class ModelConfig:
         """Why this family runs unquantized by default (`family_quant`); None where the quantized
         path implements its layers."""
         blocking = [d for d in self.llama_layer_differences()
-                    if d in ("Gemma norms", "GLM norms", "fused checkpoint projections", "fused checkpoint gate_up")]
+                    if d in ("Gemma norms", "GLM norms", "fused checkpoint projections", "fused checkpoint gate_up",
+                             "linear attention", "offset norms", "attention output gate")]
         if not blocking:
             return None
         return f"its {' and '.join(blocking)} differ from the Llama layers SmoothQuant and the fused kernels assume"
@@ -246,7 +286,9 @@ class ModelConfig:
         rotary_dim = head_dim if mla is not None else _rotary_dim(hf_config, head_dim)
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise UnsupportedModelError("bidirectional attention (an encoder configuration) is not supported")
+        linear = _linear_config(hf_config, model_type, num_layers)
         windows = _sliding_windows(hf_config, num_layers)
+        hybrid = model_type in HYBRID_TYPES
         return cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -262,7 +304,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=getattr(hf_config, "bos_token_id", None),
             hf_config=hf_config,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", *HYBRID_TYPES),
             gemma_norms=gemma,
             embedding_scale=hf_config.hidden_size**0.5 if gemma else (hf_config.embedding_multiplier if granite else None),
             hidden_act=hidden_act,
@@ -286,6 +328,9 @@ class ModelConfig:
             logit_divisor=hf_config.logits_scaling if granite else None,
             moe=_moe_config(hf_config, model_type, num_layers),
             mla=mla,
+            linear=linear,
+            offset_norms=hybrid,
+            attn_output_gate=hybrid,
         )
 
 
@@ -313,11 +358,13 @@ def _moe_config(hf_config: Any, model_type: str, num_layers: int) -> MoEConfig |
     if model_type not in MOE_TYPES:
         return None
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if model_type in HYBRID_TYPES and not num_experts:
+        return None  # a dense hybrid
     top_k = hf_config.num_experts_per_tok
     if not num_experts or not 0 < top_k <= num_experts:
         raise UnsupportedModelError(f"{model_type}: {top_k} experts a token out of {num_experts} is not a mixture")
     sparse: tuple[bool, ...] = ()
-    if model_type in ("qwen3_moe", "qwen2_moe"):
+    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         step, dense = hf_config.decoder_sparse_step or 1, set(hf_config.mlp_only_layers or ())
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
     if model_type in MLA_TYPES:
@@ -331,7 +378,7 @@ def _moe_config(hf_config: Any, model_type: str, num_layers: int) -> MoEConfig |
         router_bias=gpt_oss, expert_bias=gpt_oss,
         swiglu_limit=float(hf_config.swiglu_limit) if gpt_oss else None,
         swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
-        shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0,
+        shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type in ("qwen2_moe", "qwen3_next") else 0,
         sparse_layers=sparse,
     )
 
@@ -399,7 +446,7 @@ def _sliding_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
     window = getattr(hf_config, "sliding_window", None)
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None:
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES) - ({"linear_attention"} if _hybrid(hf_config) else set()))
         if unknown:
             raise UnsupportedModelError(f"layer types {unknown} are not supported; specdec runs {LAYER_TYPES}")
     if not window:
@@ -408,6 +455,26 @@ def _sliding_windows(hf_config: Any, num_layers: int) -> tuple[int | None, ...]:
         return (int(window),) * num_layers
     windows = tuple(int(window) if t == "sliding_attention" else None for t in layer_types[:num_layers])
     return windows if any(w is not None for w in windows) else ()
+
+
+def _hybrid(hf_config: Any) -> bool:
+    return getattr(hf_config, "model_type", "") in HYBRID_TYPES or any(
+        SUPPORTED_ARCHITECTURES.get(a) in HYBRID_TYPES for a in getattr(hf_config, "architectures", None) or [])
+
+
+def _linear_config(hf_config: Any, model_type: str, num_layers: int) -> LinearAttentionConfig | None:
+    """A hybrid model's Gated DeltaNet layers (`layer_types` "linear_attention"); None otherwise."""
+    if model_type not in HYBRID_TYPES:
+        return None
+    types = list(hf_config.layer_types)[:num_layers]
+    return LinearAttentionConfig(
+        num_key_heads=hf_config.linear_num_key_heads,
+        num_value_heads=hf_config.linear_num_value_heads,
+        key_head_dim=hf_config.linear_key_head_dim,
+        value_head_dim=hf_config.linear_value_head_dim,
+        conv_kernel=hf_config.linear_conv_kernel_dim,
+        layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+    )
 
 
 def _local_rope_layers(hf_config: Any, num_layers: int) -> tuple[bool, ...]:

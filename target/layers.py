@@ -43,7 +43,8 @@ class GemmaRMSNorm(RMSNorm):
 
 
 def make_norm(config: ModelConfig, size: int) -> RMSNorm:
-    return GemmaRMSNorm(size, config.rms_norm_eps) if config.gemma_norms else RMSNorm(size, config.rms_norm_eps)
+    offset = config.gemma_norms or config.offset_norms
+    return GemmaRMSNorm(size, config.rms_norm_eps) if offset else RMSNorm(size, config.rms_norm_eps)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """One decoder for the Llama family and its relatives (Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, SmolLM3, Granite, GLM-4,
-the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss, and DeepSeek-V2/V3) over flat,
-varlen token batches. A layer's blocks are chosen by the config: attention GQA (`Attention`) or
-multi-head latent (`mla.LatentAttention`), MLP dense (`MLP`) or sparse (`moe.SparseMoE`), per layer.
+the mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss, DeepSeek-V2/V3, and the hybrid Qwen3-Next) over flat,
+varlen token batches. A layer's blocks are chosen by the config: attention GQA (`Attention`),
+multi-head latent (`mla.LatentAttention`) or a hybrid's linear attention (`linear_attention.GatedDeltaNet`,
+Qwen3-Next), MLP dense (`MLP`) or sparse (`moe.SparseMoE`), per layer.
 
 The model sees only `input_ids [T]`, `positions [T]`, the paged KV cache and the attention metadata
 of one step; it returns logits only for the rows asked for (`logits_indices`), so verification can
@@ -22,6 +23,7 @@ from torch import nn
 from specdec.cache import AttentionMetadata, PagedKVCache, cpu_attention, paged_attention, write_kv
 from specdec.target.config import ModelConfig
 from specdec.target.layers import RMSNorm, gelu_tanh, make_norm, normed, plus_linear
+from specdec.target.linear_attention import GatedDeltaNet
 from specdec.target.mla import LatentAttention
 from specdec.target.moe import SparseMoE
 from specdec.target.rope import RotaryEmbedding, Rotation, apply_rope, pairs_to_halves
@@ -47,12 +49,14 @@ class Attention(nn.Module):
         self.window = config.window(layer_idx)  # None: every earlier key
         self.softcap = config.attn_logit_softcap
         bias = config.attention_bias
+        # Qwen3-Next: q_proj gives each head's query and a gate, the output scaled by sigmoid(gate)
+        self.output_gate = config.attn_output_gate
         self.qkv_proj: nn.Module | None = None  # set by fuse_projections (or fused in the checkpoint)
         if config.fused_checkpoint:
             self.qkv_proj = nn.Linear(config.hidden_size, (hq + 2 * hkv) * d, bias=bias)
             self.q_proj = self.k_proj = self.v_proj = None
         else:
-            self.q_proj = nn.Linear(config.hidden_size, hq * d, bias=bias)
+            self.q_proj = nn.Linear(config.hidden_size, hq * d * (2 if self.output_gate else 1), bias=bias)
             self.k_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
             self.v_proj = nn.Linear(config.hidden_size, hkv * d, bias=bias)
         self.o_proj = nn.Linear(hq * d, config.hidden_size, bias=config.o_bias)
@@ -67,8 +71,9 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(hq)) if config.attention_sinks else None
 
     def fuse_projections(self, fuse) -> None:
-        """Replace q/k/v by `fuse([q, k, v])`, one module computing all three (unless it is None)."""
-        if self.qkv_proj is None and (fused := fuse([self.q_proj, self.k_proj, self.v_proj])) is not None:
+        """Replace q/k/v by `fuse([q, k, v])`, one module computing all three (unless it is None;
+        a gated q stays apart)."""
+        if self.qkv_proj is None and not self.output_gate and (fused := fuse([self.q_proj, self.k_proj, self.v_proj])) is not None:
             self.qkv_proj = fused
             self.q_proj = self.k_proj = self.v_proj = None
 
@@ -88,7 +93,11 @@ class Attention(nn.Module):
             qkv = normed(norm, self.qkv_proj, x)  # [T, (Hq + 2 Hkv) * D]
         else:
             x = x if norm is None else norm(x)
-            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            q, gate = self.q_proj(x), None
+            if self.output_gate:  # [T, Hq, 2D]: each head's query, then its gate
+                q, gate = q.view(x.shape[0], hq, 2 * self.head_dim).chunk(2, dim=-1)
+                q, gate = q.reshape(x.shape[0], -1), gate.reshape(x.shape[0], -1)
+            qkv = torch.cat([q, self.k_proj(x), self.v_proj(x)], dim=-1)
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         if self.clip is not None:
@@ -101,6 +110,8 @@ class Attention(nn.Module):
             )  # [T, Hq * D]: rope, KV write and attention in one kernel call
         else:
             out = self._reference(qkv, *rotation.cos_sin, kv_cache, layer_idx, meta)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
         return plus_linear(residual, self.o_proj, out)
 
     def _reference(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: PagedKVCache,
@@ -183,7 +194,11 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int = 0) -> None:
         super().__init__()
-        self.self_attn = LatentAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx)
+        # the token mixer: Gated DeltaNet on a hybrid model's linear layers, else MLA or GQA
+        linear = config.is_linear_layer(layer_idx)
+        self.linear_attn = GatedDeltaNet(config, layer_idx) if linear else None
+        self.self_attn = None if linear else (
+            LatentAttention(config, layer_idx) if config.mla is not None else Attention(config, layer_idx))
         self.mlp = SparseMoE(config, MLP) if config.is_moe_layer(layer_idx) else MLP(config)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
@@ -197,6 +212,11 @@ class DecoderLayer(nn.Module):
         self.post_mlp_layernorm = make_norm(config, config.hidden_size) if config.glm_norms else None
         self.residual_scale = config.residual_scale  # Granite: each block's output scaled before its add
 
+    @property
+    def mixer(self) -> nn.Module:
+        """The layer's token mixer (attention, or a hybrid's linear attention)."""
+        return self.self_attn if self.linear_attn is None else self.linear_attn
+
     def forward(self, h, rotation, kv_cache, layer_idx, meta) -> torch.Tensor:
         if (scale := self.residual_scale) is not None:
             h = h + self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm) * scale
@@ -209,7 +229,7 @@ class DecoderLayer(nn.Module):
             attn = self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm)
             h = h + self.post_attention_layernorm(attn)
             return h + self.post_feedforward_layernorm(self.mlp(h, norm=self.pre_feedforward_layernorm))
-        h = self.self_attn(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm, residual=h)
+        h = self.mixer(h, rotation, kv_cache, layer_idx, meta, norm=self.input_layernorm, residual=h)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
 
@@ -318,6 +338,6 @@ class LlamaForCausalLM(nn.Module):
         if self._told_c_attention or not meta.scratch.get("cpu_attention"):
             return
         self._told_c_attention = True
-        if not all(layer.self_attn.c_kernel_fits for layer in self.model.layers):
+        if not all(layer.mixer.c_kernel_fits for layer in self.model.layers):
             log.info("sliding-window and soft-capped attention layers use the torch reference attention: the C "
                      "kernel implements neither")

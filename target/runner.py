@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.cache import (
-    AttentionMetadata, BlockPool, BlockTable, KVCacheSpec, PagedKVCache, build_attention_metadata,
+    AttentionMetadata, BlockPool, BlockTable, KVCacheSpec, PagedKVCache, RecurrentStateCache, StateSpec,
+    build_attention_metadata,
 )
 from specdec.cache.attention import check_backend
 from specdec.cache.metadata import with_tree
@@ -72,7 +73,7 @@ class ModelRunner:
 
     def __init__(
         self, model: LlamaForCausalLM, kv_cache: PagedKVCache, output_vocab: int | None = None,
-        attention_backend: str = "auto", static_steps: str = "off",
+        attention_backend: str = "auto", static_steps: str = "off", state_slots: int = 16, state_depth: int = 8,
     ) -> None:
         check_backend(attention_backend, model.model.norm.weight.device)
         self.attention_backend = attention_backend  # every forward's `meta.backend`
@@ -86,8 +87,13 @@ class ModelRunner:
         # rows' and outside the pool; "off": every step its own shape
         if static_steps not in STATIC_STEPS:
             raise ValueError(f"static_steps must be one of {STATIC_STEPS}, got {static_steps!r}")
-        bucketed = static_steps != "off" and model.config.mla is None and kv_cache.num_blocks > 1
+        bucketed = (static_steps != "off" and model.config.mla is None and model.config.linear is None
+                    and kv_cache.num_blocks > 1)
         self.pool = BlockPool(kv_cache.num_blocks - bucketed)
+        # a hybrid model's linear-attention states: a slot per running sequence, each keeping the
+        # states after its last `state_depth` positions (a verify window's rows, a draft's steps)
+        self.states = self._state_cache(model, state_slots, state_depth)
+        self.pool.states = self.states
         self.device = model.model.norm.weight.device
         self.moe_blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
         # The weights are final here: run MoE blocks and the layers from C where they fit, else
@@ -95,6 +101,16 @@ class ModelRunner:
         attach_moe(model)
         model.use_layer_stack(NativeDecoderStack.build(model))
         self.static_steps = StaticSteps(self, kv_cache.num_blocks - 1, static_steps == "graphs") if bucketed else None
+
+    @staticmethod
+    def _state_cache(model: LlamaForCausalLM, slots: int, depth: int) -> RecurrentStateCache | None:
+        lin = model.config.linear
+        if lin is None:
+            return None
+        device = model.model.norm.weight.device
+        spec = StateSpec(len(lin.layers), lin.conv_dim, lin.conv_kernel - 1, lin.num_value_heads,
+                         lin.key_head_dim, lin.value_head_dim, torch.float32, device)
+        return RecurrentStateCache(spec, slots, depth)
 
     @staticmethod
     def kv_spec(
@@ -126,13 +142,16 @@ class ModelRunner:
         output_vocab: int | None = None,
         attention_backend: str = "auto",
         static_steps: str = "off",
+        state_slots: int = 16,
+        state_depth: int = 8,
     ) -> "ModelRunner":
         """A runner whose paged cache has `num_blocks` blocks of `block_size` tokens (one more,
         outside the pool, with `static_steps`); logits `[R, output_vocab]` (None: the model's own
-        vocabulary)."""
-        extra = static_steps != "off" and model.config.mla is None
+        vocabulary). A hybrid model's recurrent states: `state_slots` sequences, each as of its
+        last `state_depth` lengths (`cache.state_cache`)."""
+        extra = static_steps != "off" and model.config.mla is None and model.config.linear is None
         kv_cache = PagedKVCache(cls.kv_spec(model, block_size, kv_dtype), num_blocks + extra)
-        return cls(model, kv_cache, output_vocab, attention_backend, static_steps)
+        return cls(model, kv_cache, output_vocab, attention_backend, static_steps, state_slots, state_depth)
 
     def memory_bytes(self) -> tuple[int, int]:
         """(weights, KV pool): the bytes of the model's parameters and buffers (an embedding left
@@ -171,6 +190,8 @@ class ModelRunner:
             return self._fit_vocab(logits)  # the tables advanced as they were filled in
         step = self.prepare(windows)
         logits = self.run_step(step)
+        if step.meta.states is not None:
+            step.meta.states.commit()
         for w, end in zip(windows, step.ends):
             w.table.num_computed = end
         return self._fit_vocab(logits)
@@ -194,7 +215,15 @@ class ModelRunner:
             logits_indices.extend(range(offset - w.num_logits, offset))
         meta = build_attention_metadata([w.table for w in windows], starts, ends, self.device)
         if any(w.parents is not None for w in windows):
+            if self.states is not None:
+                raise ValueError("token trees over linear attention are not supported: a recurrent state "
+                                 "follows one path")
             meta = with_tree(meta, [w.parents for w in windows])
+        if self.states is not None:
+            for w in windows:
+                if w.table.state_slot is None:
+                    w.table.state_slot = self.states.pool.allocate()
+            meta.states = self.states.batch([w.table.state_slot for w in windows], starts, ends)
         meta.backend = self.attention_backend
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return Step(self._input_ids(windows), as_tensor(positions), meta, as_tensor(logits_indices), ends)

@@ -168,7 +168,7 @@ class NativeDecoderStack:
         head_dim a multiple of 32 (at most `MAX_HEAD_DIM`), and the kernels built. Latent attention
         layers (MLA) instead: as `_latent_fits` says, on one process (no tensor-parallel split)."""
         layers = getattr(getattr(model, "model", None), "layers", None)
-        if not layers:
+        if not layers or getattr(model.config, "linear", None) is not None:  # linear attention: Python
             return None
         mla = getattr(model.config, "mla", None) is not None
         attns = [layer.self_attn for layer in layers]

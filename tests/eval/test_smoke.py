@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import pytest
@@ -34,8 +35,28 @@ def test_eval_acceptance_writes_json_table_and_plots(tmp_path, engine_flags, pro
     # same model: sampled drafts mostly pass too
     assert cells[(0.9, 1)]["figures"]["acceptance_rate"]["value"] > 0.5
     assert cells[(0.0, 0)]["figures"] is None
-    assert f"| {prompts_file} | 0 | 3 | 1.00 [1.00, 1.00] | 1.00 [1.00, 1.00] |" in (out / "acceptance.md").read_text()
+    assert re.search(rf"\| {re.escape(str(prompts_file))} \| 0 \| 3 \| 1.00 \[1.00, 1.00\] \| [0-9.]+ \[[0-9., ]+\] \| "
+                     r"1.00 \[1.00, 1.00\] \|", (out / "acceptance.md").read_text())
     _assert_reproducible(data["meta"], argv)
+
+
+def test_eval_acceptance_reports_token_trees_by_their_depth(tmp_path, engine_flags, prompts_file):
+    """Trees of 5 nodes at k = 2 (draft == target, greedy): every step keeps a whole path of its
+    depth, so alpha = 1 and tau = tau from alpha, while the acceptance rate counts the nodes."""
+    out = tmp_path / "acc"
+    argv = ["eval", "acceptance", *engine_flags, "--proposer", "draft", "--spec-tree", "on", "--tree-rows", "5",
+            "--fixed-k", "--datasets", str(prompts_file), "--ks", "2", "--temperatures", "0", "--limit", "2",
+            "--max-tokens", "8", "--max-prompt-tokens", "200", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads((out / "acceptance.json").read_text())
+    cell = next(c for c in data["results"] if c["k"] == 2)
+    f = cell["figures"]
+    assert cell["greedy_matches_target"] is True
+    assert f["alpha"]["value"] == 1.0 and f["tau"]["value"] == pytest.approx(f["tau_predicted"]["value"])
+    assert f["tau"]["value"] > 2.0  # most steps keep two drafts and the bonus token
+    assert f["drafts_per_step"]["value"] > 2.5  # a tree's nodes, more than its depth
+    assert f["acceptance_rate"]["value"] < 0.9
+    assert cell["acceptance_by_position"]["acceptance_by_position"] == [1.0, 1.0]
 
 
 def test_bench_latency_times_every_system_on_the_same_prompts(tmp_path, engine_flags, prompts_file):
