@@ -232,13 +232,20 @@ def build_runners(
         check_vocab_sizes(target, draft)
     models = [target] + ([draft] if uses_draft else [])
     kv_dtype = torch.float8_e4m3fn if config.kv_dtype == "fp8" else None
-    num_blocks = config.num_blocks
-    if num_blocks is None:
-        per_block = [ModelRunner.kv_spec(m, config.block_size, kv_dtype).bytes_per_block() for m in models]
-        num_blocks = max(1, int(config.kv_cache_memory_gib * GIB) // sum(per_block))
-    output_vocab = target.config.vocab_size
     # hybrid models: a recurrent-state slot per running sequence, as of its last k + 2 lengths
     states = {"state_slots": config.max_num_seqs, "state_depth": config.num_speculative_tokens + 2}
+    num_blocks = config.num_blocks
+    if num_blocks is None:  # the states come out of the memory budget first
+        budget = int(config.kv_cache_memory_gib * GIB) - sum(ModelRunner.state_bytes(m, **states) for m in models)
+        if budget <= 0:
+            raise ValueError(
+                f"the recurrent states of {config.max_num_seqs} sequences (max_num_seqs), each kept as of "
+                f"{states['state_depth']} lengths (k + 2), take {-budget / GIB + config.kv_cache_memory_gib:.2f} GiB, "
+                f"more than --kv-cache-memory {config.kv_cache_memory_gib:g} GiB: raise it, or lower "
+                "--max-num-seqs or -k")
+        per_block = [ModelRunner.kv_spec(m, config.block_size, kv_dtype).bytes_per_block() for m in models]
+        num_blocks = max(1, budget // sum(per_block))
+    output_vocab = target.config.vocab_size
     runners = [
         ModelRunner.build(m, config.block_size, kv_dtype, num_blocks=num_blocks, output_vocab=output_vocab,
                           attention_backend=config.attention_backend, static_steps=config.static_steps, **states)

@@ -265,6 +265,8 @@ class LlamaForCausalLM(nn.Module):
         self._told_c_attention = False  # the C attention's fallback is logged once
         # A pipeline stage keeps layers layer_offset.. of the model (`specdec.parallel.shard`)
         self.layer_offset = 0
+        # a hybrid's paged KV holds its attention layers only: layer i's index among them
+        self.kv_layers = [sum(not config.is_linear_layer(j) for j in range(i)) for i in range(config.num_layers)]
 
     def use_layer_stack(self, stack: LayerStack | None) -> None:
         """Run the decoder layers through `stack` from now on where it can (None: the Python loop).
@@ -321,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
                 at = self.layer_offset + i
                 local_rope = local is not None and self.config.local_rope_layers[at]
                 h = layer(h, still if still is not None and nope[at] else local if local_rope else rotation,
-                          kv_cache, i, meta)
+                          kv_cache, i if self.config.linear is None else self.kv_layers[i], meta)
             self._tell_c_attention(meta)
         return h
 

@@ -103,14 +103,23 @@ class ModelRunner:
         self.static_steps = StaticSteps(self, kv_cache.num_blocks - 1, static_steps == "graphs") if bucketed else None
 
     @staticmethod
-    def _state_cache(model: LlamaForCausalLM, slots: int, depth: int) -> RecurrentStateCache | None:
+    def _state_spec(model: LlamaForCausalLM) -> StateSpec | None:
         lin = model.config.linear
         if lin is None:
             return None
-        device = model.model.norm.weight.device
-        spec = StateSpec(len(lin.layers), lin.conv_dim, lin.conv_kernel - 1, lin.num_value_heads,
-                         lin.key_head_dim, lin.value_head_dim, torch.float32, device)
-        return RecurrentStateCache(spec, slots, depth)
+        return StateSpec(len(lin.layers), lin.conv_dim, lin.conv_kernel - 1, lin.num_value_heads,
+                         lin.key_head_dim, lin.value_head_dim, torch.float32, model.model.norm.weight.device)
+
+    @classmethod
+    def _state_cache(cls, model: LlamaForCausalLM, slots: int, depth: int) -> RecurrentStateCache | None:
+        spec = cls._state_spec(model)
+        return None if spec is None else RecurrentStateCache(spec, slots, depth)
+
+    @classmethod
+    def state_bytes(cls, model: LlamaForCausalLM, state_slots: int, state_depth: int) -> int:
+        """The bytes of a hybrid model's recurrent states for `state_slots` sequences (0: none)."""
+        spec = cls._state_spec(model)
+        return 0 if spec is None else spec.slot_bytes * state_slots * state_depth
 
     @staticmethod
     def kv_spec(
@@ -122,7 +131,8 @@ class ModelRunner:
         # may have no parameter: `GGUFEmbedding`)
         mla = cfg.mla  # multi-head latent attention caches one latent per token and layer
         return KVCacheSpec(
-            num_layers=len(model.model.layers),  # a pipeline stage's own
+            # a pipeline stage's own; a hybrid's attention layers only (its linear layers keep states)
+            num_layers=sum(layer.self_attn is not None for layer in model.model.layers),
             num_kv_heads=1 if mla else cfg.num_kv_heads,
             head_dim=mla.latent_dim if mla else cfg.head_dim,
             block_size=block_size,
@@ -156,8 +166,10 @@ class ModelRunner:
     def memory_bytes(self) -> tuple[int, int]:
         """(weights, KV pool): the bytes of the model's parameters and buffers (an embedding left
         in its GGUF file is read from the file and not counted) and of its cache's whole budget,
-        whose pages a CPU cache takes only as tokens are written (`kv_cache._zeros`)."""
-        return weight_bytes(self.model), self.kv_cache.kv.numel() * self.kv_cache.kv.element_size()
+        whose pages a CPU cache takes only as tokens are written (`kv_cache._zeros`), with a hybrid's
+        recurrent states."""
+        states = 0 if self.states is None else self.states.memory_bytes  # a hybrid's recurrent states
+        return weight_bytes(self.model), self.kv_cache.kv.numel() * self.kv_cache.kv.element_size() + states
 
     @property
     def routing(self) -> tuple[int, int] | None:

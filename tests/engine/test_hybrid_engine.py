@@ -102,3 +102,16 @@ def test_trees_and_handoff_are_refused_clearly(models):
     engine = _engine(target)
     with pytest.raises(ValueError, match="hybrid"):
         engine._movable_runners()
+
+
+def test_the_states_come_out_of_the_memory_budget(models):
+    _, target, _ = models
+    config = dict(dtype="float32", block_size=4, proposer="none", max_num_seqs=4, num_speculative_tokens=4)
+    engine = Engine.from_models(EngineConfig(kv_cache_memory_gib=0.01, **config), target)
+    states = engine.target.states
+    assert states.pool.num_slots == 4 and states.depth == 6
+    kv = engine.target.kv_cache.kv
+    assert kv.numel() * kv.element_size() + states.memory_bytes <= 0.01 * 2**30
+    assert engine.target.kv_cache.spec.num_layers == 1  # the one full-attention layer's KV only
+    with pytest.raises(ValueError, match="recurrent states of 4 sequences"):
+        Engine.from_models(EngineConfig(kv_cache_memory_gib=1e-6, **config), target)
