@@ -50,6 +50,14 @@ FAMILIES = {
     "gpt-oss": ("GptOssConfig", dict(head_dim=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=128,
                                      rope_parameters=dict(rope_type="yarn", factor=8.0, beta_fast=32.0, beta_slow=1.0,
                                                           original_max_position_embeddings=256, rope_theta=150000.0))),
+    # hybrids: Gated DeltaNet layers (3 of 4) beside gated full attention; Qwen3.5 with 2 value heads
+    # a key head (llama.cpp's converter tiles them), Qwen3-Next with its MoE (shared expert)
+    "qwen3.5": ("Qwen3_5TextConfig", dict(num_hidden_layers=4, head_dim=64, linear_num_key_heads=2,
+                                          linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64)),
+    "qwen3-next": ("Qwen3NextConfig", dict(num_hidden_layers=4, head_dim=64, linear_num_key_heads=2,
+                                           linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                           shared_expert_intermediate_size=256)),
 }
 FAMILIES["gpt-oss-mxfp4"] = FAMILIES["gpt-oss"]
 QUANT = {"gpt-oss-mxfp4": "MXFP4_MOE"}  # llama-quantize's type per family (default Q4_K_M)
@@ -60,7 +68,7 @@ SHAPES = {"tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers
                        num_key_value_heads=2),
           "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                        num_key_value_heads=2)}
-_MOE = ("olmoe", "gpt-oss", "gpt-oss-mxfp4")
+_MOE = ("olmoe", "gpt-oss", "gpt-oss-mxfp4", "qwen3-next")
 # llama-perplexity's context per family: longrope keeps its short factors up to its original context
 CTX = {"phi4-mini": 256}
 

@@ -39,13 +39,16 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     # hybrid: Gated DeltaNet linear attention beside full attention (`LinearAttentionConfig`)
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe_text",
 }
 MLA_TYPES = ("deepseek_v2", "deepseek_v3")
-HYBRID_TYPES = ("qwen3_next",)
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next", *MLA_TYPES)
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+QWEN35_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")  # q|k|v, z, b and a projected apart
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "qwen3_next", "qwen3_5_moe_text", *MLA_TYPES)
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # Multimodal configs whose text model we run (the image tower is not loaded).
-TEXT_OF_MULTIMODAL = ("gemma3",)
+TEXT_OF_MULTIMODAL = ("gemma3", "qwen3_5", "qwen3_5_moe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -141,6 +144,9 @@ class LinearAttentionConfig:
     value_head_dim: int
     conv_kernel: int
     layers: tuple[int, ...]  # the linear-attention layers (the rest are full attention)
+    # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next: in_proj_qkvz and
+    # in_proj_ba, grouped by key head
+    split_projections: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -374,11 +380,12 @@ def _moe_config(hf_config: Any, model_type: str, num_layers: int) -> MoEConfig |
         num_experts=num_experts,
         top_k=top_k,
         expert_size=getattr(hf_config, "moe_intermediate_size", None) or hf_config.intermediate_size,
-        norm_topk=model_type == "mixtral" or gpt_oss or bool(getattr(hf_config, "norm_topk_prob", False)),
+        norm_topk=(model_type in ("mixtral", "qwen3_5_moe_text") or gpt_oss
+                   or bool(getattr(hf_config, "norm_topk_prob", False))),
         router_bias=gpt_oss, expert_bias=gpt_oss,
         swiglu_limit=float(hf_config.swiglu_limit) if gpt_oss else None,
         swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
-        shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type in ("qwen2_moe", "qwen3_next") else 0,
+        shared_expert_size=(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type in ("qwen2_moe", *HYBRID_TYPES) else 0,
         sparse_layers=sparse,
     )
 
@@ -474,6 +481,7 @@ def _linear_config(hf_config: Any, model_type: str, num_layers: int) -> LinearAt
         value_head_dim=hf_config.linear_value_head_dim,
         conv_kernel=hf_config.linear_conv_kernel_dim,
         layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        split_projections=model_type in QWEN35_TYPES,
     )
 
 

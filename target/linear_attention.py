@@ -1,4 +1,4 @@
-"""Gated DeltaNet, the linear attention of hybrid models (Qwen3-Next), beside GQA and MLA as a
+"""Gated DeltaNet, the linear attention of hybrid models (Qwen3-Next, Qwen3.5), beside GQA and MLA as a
 layer's token mixer (chosen by `ModelConfig.linear`).
 
 Per token t and value head h, after a causal depthwise convolution (kernel K, SiLU) over the
@@ -13,7 +13,7 @@ convolution's last K-1 inputs are the whole memory of the sequence: they live in
 `cache.RecurrentStateCache`, read as of each window's start and written after each of its last
 rows (`meta.states`), so that a verify window's rejected rows are dropped by starting the next
 forward from the state of the last kept one. Parameter names are transformers'
-(`Qwen3NextGatedDeltaNet`), so its state dicts load as they are; the arithmetic follows its
+(`Qwen3NextGatedDeltaNet`, `Qwen3_5GatedDeltaNet`), so its state dicts load as they are; the arithmetic follows its
 recurrent form token by token in fp32 (the chunked form of its prefill is the same sums in
 another order).
 """
@@ -89,17 +89,31 @@ class GatedDeltaNet(nn.Module):
         hidden = config.hidden_size
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
                                 padding=self.kernel - 1)
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        self.split = lin.split_projections
+        if self.split:  # Qwen3.5
+            self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        else:  # Qwen3-Next
+            self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.c_kernel_fits = True  # no paged attention here: nothing for the C attention to fall back from
 
+    def _project(self, x: torch.Tensor):
+        """`[T, hidden]` -> q, k `[T, key_dim]`, v `[T, value_dim]`, z `[T, Hv, Dv]`, b, a `[T, Hv]`."""
+        if not self.split:
+            return self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        q, k, v = self.in_proj_qkv(x).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return q, k, v, self.in_proj_z(x).view(x.shape[0], self.num_v_heads, self.head_v_dim), self.in_proj_b(x), self.in_proj_a(x)
+
     def _split(self, qkvz: torch.Tensor, ba: torch.Tensor):
-        """transformers' `fix_query_key_value_ordering` on `[T, ...]`: the projections are grouped
-        by key head (each holding its q, k and its value heads' v and z)."""
+        """transformers' `fix_query_key_value_ordering` on `[T, ...]`: Qwen3-Next's projections are
+        grouped by key head (each holding its q, k and its value heads' v and z)."""
         t, hk, r = qkvz.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         q, k, v, z = qkvz.view(t, hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
@@ -121,7 +135,7 @@ class GatedDeltaNet(nn.Module):
         if states is None:
             raise RuntimeError("a linear-attention layer needs the runner's recurrent states (meta.states)")
         x = x if norm is None else norm(x)
-        q, k, v, z, b, a = self._split(self.in_proj_qkvz(x), self.in_proj_ba(x))
+        q, k, v, z, b, a = self._project(x)
         mixed = torch.cat([q, k, v], dim=-1)  # [T, C]
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)

@@ -1,5 +1,5 @@
-"""Tiny random hybrid models (Qwen3-Next: Gated DeltaNet layers beside full attention), dense and
-MoE, as transformers builds them, and ours with the same weights."""
+"""Tiny random hybrid models (Qwen3-Next and Qwen3.5: Gated DeltaNet layers beside full attention),
+dense and MoE, as transformers builds them."""
 
 from __future__ import annotations
 
@@ -13,24 +13,28 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
              linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
              layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=256,
              rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+# kind -> (transformers config class, what it adds): Qwen3-Next dense and MoE, Qwen3.5 dense and MoE
 FAMILIES = {
-    "dense": dict(num_experts=0),
-    "moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "dense": ("Qwen3NextConfig", dict(num_experts=0)),
+    "moe": ("Qwen3NextConfig", _EXPERTS),
+    "qwen3.5": ("Qwen3_5TextConfig", {}),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", _EXPERTS),
 }
 
 _MODELS: dict = {}
 
 
 def hybrid_hf_model(kind: str = "dense", seed: int = 0, **overrides):
-    """A random transformers Qwen3-Next in fp32, eval mode (cached: tests only read it)."""
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    """A random transformers Qwen3-Next or Qwen3.5 in fp32, eval mode (cached: tests only read it)."""
+    import transformers as tf
 
     key = (kind, seed, repr(sorted(overrides.items())))
     if key not in _MODELS:
         torch.manual_seed(seed)
-        config = Qwen3NextConfig(**{**SHAPE, **FAMILIES[kind], **overrides})
-        config.architectures = ["Qwen3NextForCausalLM"]
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        name, features = FAMILIES[kind]
+        config = getattr(tf, name)(**{**SHAPE, **features, **overrides})
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():  # sharp logits, norms and gates away from their identity
             for name, p in model.named_parameters():
                 if p.dim() >= 2:

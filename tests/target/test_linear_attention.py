@@ -36,6 +36,9 @@ def test_config_reads_the_hybrid_layers():
     assert cfg.offset_norms and cfg.attn_output_gate and cfg.qk_norm and cfg.rotary_dim == 4
     assert cfg.moe.num_experts == 4 and cfg.moe.shared_expert_size == 32
     assert ModelConfig.from_hf(hybrid_hf_model("dense").config).moe is None
+    q35 = ModelConfig.from_hf(hybrid_hf_model("qwen3.5-moe").config)
+    assert q35.linear.split_projections and not cfg.linear.split_projections
+    assert q35.moe.norm_topk and q35.moe.shared_expert_size == 32 and q35.rotary_dim == 4
     assert "linear attention" in cfg.c_loop_differences() and cfg.unquantized_reason() is not None
 
 
@@ -69,11 +72,12 @@ def test_sequences_in_one_forward_keep_their_own_states():
     assert (logits[1] - _hf_logits(hf, other)[-1]).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("kind", ["moe", "qwen3.5"])
 @pytest.mark.parametrize("kept", [0, 1, 3, 4])
-def test_a_rolled_back_verify_window_decodes_on_from_the_kept_rows(kept):
+def test_a_rolled_back_verify_window_decodes_on_from_the_kept_rows(kept, kind):
     """A 5-row verify window (the last token + 4 drafts), `kept` drafts accepted: truncating the
     table is all the rollback; the next token's logits are transformers' on the kept tokens."""
-    hf = hybrid_hf_model("moe")
+    hf = hybrid_hf_model(kind)
     runner = _runner(hf)
     table = runner.new_table()
     _feed(runner, table, PROMPT[:-1], 0)
