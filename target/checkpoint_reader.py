@@ -23,7 +23,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -145,8 +145,17 @@ class GGUFCheckpoint:
         architecture = self.file.metadata["general.architecture"]
         processor = TENSOR_PROCESSORS.get(_PROCESSED_AS.get(architecture, architecture), TensorProcessor)
         self._processor = processor(config=hf_config.to_dict())
-        to_hf = _saved_names(folder, lambda: gguf_to_hf_names(hf_config, self._processor))
+        self._transform: dict[str, Any] = {}  # HF name -> what turns the stored tensor into it (hybrids)
+        if architecture in HYBRID_ARCHS:  # not in transformers' GGUF tables
+            to_hf, self._transform = hybrid_names(self.file.tensors)
+        else:
+            to_hf = _saved_names(folder, lambda: gguf_to_hf_names(hf_config, self._processor))
         self._gguf_name = {to_hf[g]: g for g in self.file.tensors if g in to_hf}
+        self._split: dict[str, tuple[str, int]] = {}  # HF name -> (stored tensor, which half of its rows)
+        for gguf_name in self.file.tensors:
+            if architecture == "qwen3next" and (m := _SSM_BA.fullmatch(gguf_name)):  # b and a, grouped by key head
+                for half, proj in enumerate(("b", "a")):
+                    self._split[f"model.layers.{m['layer']}.linear_attn.in_proj_{proj}.weight"] = (gguf_name, half)
         self._expert: dict[str, tuple[str, int]] = {}  # per-expert name -> (stacked tensor, expert)
         self._kv_b: dict[str, tuple[str, str]] = {}  # kv_b_proj -> (attn_k_b, attn_v_b) where split
         for gguf_name in self.file.tensors:
@@ -171,7 +180,8 @@ class GGUFCheckpoint:
     def _check_every_tensor_read(self) -> None:
         """Refuse a file with a tensor that nothing reads: run without it, the model would be
         another one (Llama 3.1's rope_freqs once was). Tensors folded into config.json are read."""
-        read = {*self._gguf_name.values(), *(n for pair in self._kv_b.values() for n in pair), *FOLDED_INTO_CONFIG}
+        read = {*self._gguf_name.values(), *(n for pair in self._kv_b.values() for n in pair), *FOLDED_INTO_CONFIG,
+                *(n for n, _ in self._split.values())}
         unread = [name for name in self.file.tensors if name not in read]
         if unread:
             from specdec.target.config import UnsupportedModelError
@@ -181,7 +191,7 @@ class GGUFCheckpoint:
                                         f"({self.file.metadata.get('general.architecture')!r} files)")
 
     def names(self) -> list[str]:
-        return [*self._gguf_name, *self._kv_b]
+        return [*self._gguf_name, *self._kv_b, *self._split]
 
     def rows_in_place(self, name: str) -> str | None:
         """The GGUF name of tensor `name` when its rows can be used as stored (an embedding left
@@ -189,7 +199,9 @@ class GGUFCheckpoint:
         from specdec.target.gguf_embedding import plain_rows
 
         gguf_name = self._gguf_name.get(name)
-        return gguf_name if gguf_name is not None and plain_rows(self._processor, self.file, gguf_name) else None
+        if gguf_name is None or name in self._transform:
+            return None
+        return gguf_name if plain_rows(self._processor, self.file, gguf_name) else None
 
     def blocks(self, name: str) -> tuple[np.ndarray, int] | None:
         if name in self._expert:
@@ -210,11 +222,73 @@ class GGUFCheckpoint:
         if name in self._expert:  # one expert of a stacked tensor: only its blocks are dequantized
             gguf_name, e = self._expert[name]
             return torch.from_numpy(self.file.dequantize_slice(gguf_name, e)).float()
+        if name in self._split:  # Qwen3-Next's ssm_ba: per key head, its value heads' b rows, then their a rows
+            gguf_name, half = self._split[name]
+            ba = torch.from_numpy(np.array(self.file.dequantize(gguf_name))).float()
+            groups = self._key_heads(gguf_name)
+            return ba.view(groups, 2, -1, ba.shape[-1])[:, half].reshape(-1, ba.shape[-1])
         gguf_name = self._gguf_name[name]
+        if name in self._transform:
+            return self._transform[name](torch.from_numpy(np.array(self.file.dequantize(gguf_name))).float())
         weights = self._processor.process(weights=self.file.dequantize(gguf_name), name=gguf_name).weights
         if not (weights.flags.writeable and weights.flags.c_contiguous):  # a view of the mapped file
             weights = np.array(weights)
         return torch.from_numpy(weights).float()
+
+
+    def _key_heads(self, gguf_name: str) -> int:
+        return int(self.file.metadata[f"{self.file.metadata['general.architecture']}.ssm.group_count"])
+
+
+# llama.cpp's hybrid architectures (Gated DeltaNet + attention), read by `hybrid_names`
+HYBRID_ARCHS = ("qwen3next", "qwen35", "qwen35moe")
+_SSM_BA = re.compile(r"blk\.(?P<layer>\d+)\.ssm_ba\.weight")
+_HYBRID_LAYER = re.compile(r"blk\.(?P<layer>\d+)\.(?P<rest>.+)")
+# a hybrid layer's tensors -> its HF names (ours), and how llama.cpp's converter changed them
+_HYBRID_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_a": "linear_attn.A_log", "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_dt.bias": "linear_attn.dt_bias", "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight", "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+_HYBRID_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+                  "output_norm.weight": "model.norm.weight"}
+
+
+def _minus_one(t: torch.Tensor) -> torch.Tensor:  # llama.cpp stores the (1 + w) norms as 1 + w
+    return t - 1
+
+
+def hybrid_names(tensors) -> tuple[dict[str, str], dict[str, Any]]:
+    """`({gguf name: HF name}, {HF name: transform})` of a llama.cpp hybrid GGUF, undoing what its
+    converter did: norms stored as 1 + w (all but the gated norm of the linear layers), `A_log`
+    stored as A = -exp(A_log), the convolution's kernel squeezed to [C, K]."""
+    names: dict[str, str] = {}
+    transforms: dict[str, Any] = {}
+    for gguf_name in tensors:
+        if gguf_name in _HYBRID_GLOBAL:
+            names[gguf_name] = hf = _HYBRID_GLOBAL[gguf_name]
+        elif (m := _HYBRID_LAYER.fullmatch(gguf_name)) and m["rest"] in _HYBRID_TENSORS:
+            names[gguf_name] = hf = f"model.layers.{m['layer']}.{_HYBRID_TENSORS[m['rest']]}"
+        else:
+            continue
+        if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+            transforms[hf] = _minus_one
+        elif hf.endswith(".A_log"):
+            transforms[hf] = lambda a: torch.log(-a)
+        elif hf.endswith(".conv1d.weight"):
+            transforms[hf] = lambda w: w.reshape(w.shape[0], 1, -1)
+    return names, transforms
 
 
 def gguf_to_hf_names(hf_config, processor) -> dict[str, str]:

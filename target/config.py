@@ -147,6 +147,8 @@ class LinearAttentionConfig:
     # Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next: in_proj_qkvz and
     # in_proj_ba, grouped by key head
     split_projections: bool = False
+    # value head j reads key head j mod num_key_heads (llama.cpp's Qwen3.5 GGUFs); False: j // (Hv / Hk)
+    tiled_value_heads: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -481,7 +483,8 @@ def _linear_config(hf_config: Any, model_type: str, num_layers: int) -> LinearAt
         value_head_dim=hf_config.linear_value_head_dim,
         conv_kernel=hf_config.linear_conv_kernel_dim,
         layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
-        split_projections=model_type in QWEN35_TYPES,
+        split_projections=model_type in QWEN35_TYPES or bool(getattr(hf_config, "linear_split_projections", False)),
+        tiled_value_heads=bool(getattr(hf_config, "linear_value_heads_tiled", False)),
     )
 
 

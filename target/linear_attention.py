@@ -89,7 +89,7 @@ class GatedDeltaNet(nn.Module):
         hidden = config.hidden_size
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False,
                                 padding=self.kernel - 1)
-        self.split = lin.split_projections
+        self.split, self.tiled = lin.split_projections, lin.tiled_value_heads
         if self.split:  # Qwen3.5
             self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
             self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
@@ -103,6 +103,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.c_kernel_fits = True  # no paged attention here: nothing for the C attention to fall back from
+
+    def _per_value_head(self, t: torch.Tensor, r: int) -> torch.Tensor:  # [n, Hk, Dk] -> [n, Hv, Dk]
+        return t.repeat(1, r, 1) if self.tiled else t.repeat_interleave(r, dim=1)
 
     def _project(self, x: torch.Tensor):
         """`[T, hidden]` -> q, k `[T, key_dim]`, v `[T, value_dim]`, z `[T, Hv, Dv]`, b, a `[T, Hv]`."""
@@ -152,8 +155,7 @@ class GatedDeltaNet(nn.Module):
             width = self.kernel - 1
             conv_kept = torch.stack([full[:, i + 1 : i + 1 + width] for i in range(n - keep, n)]) if keep else None
             qw, kw, vw = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            qw = qw.reshape(n, self.num_k_heads, self.head_k_dim).repeat_interleave(r, dim=1)
-            kw = kw.reshape(n, self.num_k_heads, self.head_k_dim).repeat_interleave(r, dim=1)
+            qw, kw = (self._per_value_head(t.reshape(n, self.num_k_heads, self.head_k_dim), r) for t in (qw, kw))
             vw = vw.reshape(n, self.num_v_heads, self.head_v_dim)
             o, ssm_kept = gated_delta_rule(qw, kw, vw, g[lo:hi], beta[lo:hi], ssm_state, keep)
             out[lo:hi] = o.to(x.dtype)

@@ -282,6 +282,8 @@ def gguf_config(gguf: GGUFFile):
     arch = meta["general.architecture"]
     if arch == "deepseek2":  # not in transformers' GGUF tables
         return _deepseek2_config(gguf)
+    if arch in HYBRID_GGUF_ARCHS:  # nor are the hybrids
+        return _hybrid_config(gguf)
     # llama.cpp writes Mistral as llama; transformers tells them apart by general.name alone (and
     # names gpt-oss's table `gpt_oss`)
     updated = "mistral" if "llama" in arch and meta.get("general.name") == "mistral" else (
@@ -458,7 +460,7 @@ _GGUF_OLMOE = {"clip_qkv": None, "norm_topk_prob": False}
 # architectures transformers reads no GGUF tokenizer of -> one whose tokenizer reading serves
 # (gpt-oss: transformers' reader of its rope keys fails on them, so its tokenizer is read as qwen2's)
 _TOKENIZER_STAND_IN = {"deepseek2": "qwen2", "smollm3": "llama", "granite": "llama", "glm4": "llama", "gpt-oss": "qwen2",
-                       "olmoe": "qwen2"}
+                       "olmoe": "qwen2", "qwen3next": "qwen2", "qwen35": "qwen2", "qwen35moe": "qwen2"}
 
 
 def _deepseek2_config(gguf: GGUFFile):
@@ -510,6 +512,61 @@ def _deepseek2_config(gguf: GGUFFile):
             config.update(topk_method="group_limited_greedy", n_group=groups, topk_group=get("expert_group_used_count"))
         hf_config = DeepseekV2Config(**config)
     hf_config.architectures = ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"]
+    return hf_config
+
+
+# llama.cpp's hybrid (Gated DeltaNet + attention) architectures -> transformers' config classes
+HYBRID_GGUF_ARCHS = {"qwen3next": "Qwen3NextConfig", "qwen35": "Qwen3_5TextConfig", "qwen35moe": "Qwen3_5MoeTextConfig"}
+
+
+def _hybrid_config(gguf: GGUFFile):
+    """The transformers config of a llama.cpp `qwen3next` / `qwen35` / `qwen35moe` GGUF, from the
+    keys its converter writes (`ssm.*`: the Gated DeltaNet shapes, `attention.recurrent_layers`:
+    which layers are linear). The converter reorders Qwen3.5's value heads from grouped by key head
+    to tiled (`linear_value_heads_tiled`, read by `ModelConfig`: each value head j then reads key
+    head j mod the key heads, the same model), and writes Qwen3-Next's projections apart, as Qwen3.5
+    has them (`linear_split_projections`)."""
+    import transformers
+
+    meta, arch = gguf.metadata, gguf.metadata["general.architecture"]
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    head_dim = get("attention.key_length")
+    value_heads, key_heads = get("ssm.time_step_rank"), get("ssm.group_count")
+    recurrent = meta.get(f"{arch}.attention.recurrent_layers")
+    layers = get("block_count")
+    if not isinstance(recurrent, list) or len(recurrent) < layers:
+        from specdec.target.config import UnsupportedModelError
+
+        raise UnsupportedModelError(f"{gguf.path.name}: {arch} without {arch}.attention.recurrent_layers is not supported")
+    config = dict(
+        vocab_size=_count(meta["tokenizer.ggml.tokens"]), hidden_size=get("embedding_length"),
+        intermediate_size=get("feed_forward_length"), num_hidden_layers=layers,
+        num_attention_heads=get("attention.head_count"), num_key_value_heads=get("attention.head_count_kv"),
+        head_dim=head_dim, max_position_embeddings=get("context_length"),
+        rms_norm_eps=get("attention.layer_norm_rms_epsilon"), tie_word_embeddings="output.weight" not in gguf.tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"), eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+        rope_parameters={"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0)),
+                         "partial_rotary_factor": get("rope.dimension_count", head_dim) / head_dim},
+        linear_conv_kernel_dim=get("ssm.conv_kernel"), linear_key_head_dim=get("ssm.state_size"),
+        linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        linear_value_head_dim=get("ssm.inner_size") // value_heads,
+        layer_types=["linear_attention" if r else "full_attention" for r in recurrent[:layers]],
+        linear_value_heads_tiled=arch != "qwen3next" and key_heads != value_heads,
+        linear_split_projections=True,  # the converter splits Qwen3-Next's in_proj_qkvz into q|k|v and z
+    )
+    if get("expert_count"):
+        config.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                      moe_intermediate_size=get("expert_feed_forward_length"),
+                      shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0))
+    elif arch == "qwen3next":
+        config["num_experts"] = 0
+    hf_config = getattr(transformers, HYBRID_GGUF_ARCHS[arch])(**config)
+    hf_config.architectures = [{"qwen3next": "Qwen3NextForCausalLM", "qwen35": "Qwen3_5ForCausalLM",
+                                "qwen35moe": "Qwen3_5MoeForCausalLM"}[arch]]
     return hf_config
 
 

@@ -120,3 +120,32 @@ def test_the_ring_reuses_stale_entries_first_and_marks_writes_before_they_happen
     assert cache.positions[slot] == [3, 4, 5, 6]
     cache.release(slot)
     assert cache.pool.num_free == 1 and cache.positions[slot] == [-1] * 4
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_a_gguf_as_llama_cpp_writes_it_gives_transformers_logits(kind, tmp_path, monkeypatch):
+    """`qwen3next` / `qwen35` / `qwen35moe` files (norms as 1 + w, A as -exp(A_log), Qwen3-Next's
+    projections split, Qwen3.5's value heads tiled: `write_hybrid_gguf`) load as the model they
+    hold; teacher-forced logits over a prompt and its continuation are transformers'; greedy
+    speculative (the file as its own draft) equals target-only."""
+    from specdec import Engine, EngineConfig, SamplingParams
+    from tests.target.conftest import build_tiny_tokenizer
+    from tests.target.hybrid_models import write_hybrid_gguf
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    tokenizer = build_tiny_tokenizer()
+    hf = hybrid_hf_model(kind, vocab_size=len(tokenizer), linear_num_value_heads=4, linear_num_key_heads=2)
+    path = tmp_path / f"{kind}.gguf"
+    write_hybrid_gguf(hf, path, tokenizer)
+    engine = Engine(EngineConfig(target=str(path), proposer="none", dtype="float32", num_blocks=64, block_size=4))
+    ids = [5, 17, 33, 8, 61, 9, 42, 11, 70, 3, 25, 90, 14, 2, 66, 7]
+    table = engine.target.new_table()
+    table.ensure_slots(len(ids))
+    got = engine.target.forward([Window(table, ids, len(ids))])
+    assert (got - _hf_logits(hf, ids)).abs().max().item() < 1e-4
+    table.free()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = engine.generate([ids[:7]], greedy)[0].token_ids
+    spec = Engine(EngineConfig(target=str(path), draft=str(path), proposer="draft", dtype="float32", num_blocks=64,
+                               block_size=4, adaptive_k=False, num_speculative_tokens=3))
+    assert spec.generate([ids[:7]], greedy)[0].token_ids == plain
