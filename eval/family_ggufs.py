@@ -60,6 +60,9 @@ FAMILIES = {
                                            shared_expert_intermediate_size=256)),
 }
 FAMILIES["gpt-oss-mxfp4"] = FAMILIES["gpt-oss"]
+# the converter's flags per family: the hybrids' multi-token-prediction head left out (random
+# models have none; specdec does not read one)
+CONVERT_FLAGS = {"qwen3.5": ("--no-mtp",), "qwen3-next": ("--no-mtp",)}
 QUANT = {"gpt-oss-mxfp4": "MXFP4_MOE"}  # llama-quantize's type per family (default Q4_K_M)
 # --shape: "tiny" for perplexity (what shows the same function), "0.5b" for speed at the default
 # target's widths (Qwen2.5-0.5B: 896 wide, 24 layers, 14 heads of 64, 2 kv heads; MoE experts 1024
@@ -111,11 +114,12 @@ def make_model(family: str, tokenizer, out: Path, seed: int = 0, shape: str = "t
     return out
 
 
-def convert(llama_cpp: Path, folder: Path, out: Path, quant: str = "Q4_K_M") -> Path:
-    """`convert_hf_to_gguf.py` to f32, then `llama-quantize` to `quant` (`out`)."""
+def convert(llama_cpp: Path, folder: Path, out: Path, quant: str = "Q4_K_M", extra: tuple[str, ...] = ()) -> Path:
+    """`convert_hf_to_gguf.py` to f32 (with `extra` flags), then `llama-quantize` to `quant` (`out`)."""
     f32 = out.with_name(out.stem + "-f32.gguf")
     bin_dir = llama_cpp / "build" / "bin"
-    _run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(f32), "--outtype", "f32"])
+    _run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(f32), "--outtype", "f32",
+          *extra])
     _run([str(bin_dir / "llama-quantize"), str(f32), str(out), quant], env={"LD_LIBRARY_PATH": str(bin_dir)})
     f32.unlink()
     return out
@@ -211,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{family}: converting and quantizing ({args.shape})", file=sys.stderr)
         quant = QUANT.get(family, "Q4_K_M")
         folder = make_model(family, tokenizer, out / family, shape=args.shape)
-        files.append((family, convert(args.llama_cpp, folder, out / f"{family}-{quant}.gguf", quant), CTX.get(family, 512)))
+        files.append((family, convert(args.llama_cpp, folder, out / f"{family}-{quant}.gguf", quant,
+                                      CONVERT_FLAGS.get(family, ())), CTX.get(family, 512)))
         shutil.rmtree(folder)
     files += [(path.stem, path, 512) for path in args.gguf]
     for name, gguf, ctx in files:

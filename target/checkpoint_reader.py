@@ -272,7 +272,8 @@ def _minus_one(t: torch.Tensor) -> torch.Tensor:  # llama.cpp stores the (1 + w)
 def hybrid_names(tensors) -> tuple[dict[str, str], dict[str, Any]]:
     """`({gguf name: HF name}, {HF name: transform})` of a llama.cpp hybrid GGUF, undoing what its
     converter did: norms stored as 1 + w (all but the gated norm of the linear layers), `A_log`
-    stored as A = -exp(A_log), the convolution's kernel squeezed to [C, K]."""
+    stored as A = -exp(A_log), the convolution's kernel squeezed to [C, K] (and a one-row shared
+    expert gate to a vector)."""
     names: dict[str, str] = {}
     transforms: dict[str, Any] = {}
     for gguf_name in tensors:
@@ -288,6 +289,8 @@ def hybrid_names(tensors) -> tuple[dict[str, str], dict[str, Any]]:
             transforms[hf] = lambda a: torch.log(-a)
         elif hf.endswith(".conv1d.weight"):
             transforms[hf] = lambda w: w.reshape(w.shape[0], 1, -1)
+        elif hf.endswith(".shared_expert_gate.weight"):  # [1, hidden], which a file may keep as [hidden]
+            transforms[hf] = lambda w: w.reshape(1, -1)
     return names, transforms
 
 

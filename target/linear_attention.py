@@ -29,6 +29,12 @@ from specdec.target.config import ModelConfig
 from specdec.target.layers import RMSNorm, plus_linear
 
 
+class DenseLinear(nn.Linear):
+    """A linear the quantizers leave dense (`keep_dense`)."""
+
+    keep_dense = True
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each head's output in fp32, scaled by `weight` in the model dtype, times
     silu(gate) (transformers' `Qwen3NextRMSNormGated`)."""
@@ -93,11 +99,12 @@ class GatedDeltaNet(nn.Module):
         if self.split:  # Qwen3.5
             self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
             self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-            self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-            self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+            # b and a set each head's write strength and decay: a few rows, kept dense (`keep_dense`)
+            self.in_proj_b = DenseLinear(hidden, self.num_v_heads, bias=False)
+            self.in_proj_a = DenseLinear(hidden, self.num_v_heads, bias=False)
         else:  # Qwen3-Next
             self.in_proj_qkvz = nn.Linear(hidden, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-            self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+            self.in_proj_ba = DenseLinear(hidden, 2 * self.num_v_heads, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
