@@ -122,6 +122,9 @@ FAMILIES = {
     "OlmoeForCausalLM": ("OLMoE", "MoE, whole-width q/k norms, qkv clipping", "olmoe"),
     "DeepseekV2ForCausalLM": ("DeepSeek-V2 / V2-Lite", "MLA (latent KV cache) + MoE with shared experts", "deepseek2"),
     "DeepseekV3ForCausalLM": ("DeepSeek-V3 / R1 / Kimi-K2-style", "MLA + MoE: sigmoid, grouped, bias-chosen", "deepseek2"),
+    "Qwen3NextForCausalLM": ("Qwen3-Next (80B-A3B)", "hybrid: Gated DeltaNet + gated attention, MoE", "qwen3next"),
+    "Qwen3_5ForCausalLM": ("Qwen3.5 (dense; the text model of the multimodal checkpoints)", "hybrid: Gated DeltaNet + gated attention", "qwen35"),
+    "Qwen3_5MoeForCausalLM": ("Qwen3.5-MoE", "hybrid: Gated DeltaNet + gated attention, MoE", "qwen35moe"),
 }
 
 

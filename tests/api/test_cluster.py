@@ -36,7 +36,10 @@ def free_port() -> int:
 
 class Cluster:
     def __init__(self) -> None:
-        self.port = free_port()
+        self.listen(free_port())
+
+    def listen(self, port: int) -> None:
+        self.port = port
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = httpx.Client(base_url=self.url, timeout=60, trust_env=False)
 
@@ -84,7 +87,17 @@ def serving(c: Cluster, deploy):
     """A local Ray (2 CPUs), Ray Serve's proxy on the cluster's port, `deploy()`; yields the
     cluster, then shuts it all down (a module fixture's body)."""
     start_ray(None, num_cpus=2, object_store_bytes=128 << 20, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": c.port})
+    for attempt in range(3):
+        # the port is chosen once Ray's own processes hold theirs (a port free before ray.init was
+        # taken by one of them in CI: "Failed to bind to address"); another test's Ray can still race us
+        c.listen(free_port())
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": c.port})
+            break
+        except Exception:  # noqa: BLE001 - Ray's RayTaskError wraps the bind failure
+            serve.shutdown()
+            if attempt == 2:
+                raise
     deploy()
     yield c
     serve.shutdown()
