@@ -155,6 +155,15 @@ class StateBatch:
             return torch.zeros_like(c.conv[0, 0, layer]), torch.zeros_like(c.ssm[0, 0, layer])
         return c.conv[self.slots[b], j, layer].clone(), c.ssm[self.slots[b], j, layer].clone()
 
+    def entries(self, b: int, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[torch.Tensor], list[torch.Tensor]]:
+        """Window b's layer states in place, for a kernel that reads and writes them by pointer: the
+        start's `([C, K-1], [H, Dk, Dv])` (None: zeros) and the ring entries `rows_kept(b)` rows
+        write, conv and ssm (one of them may be the start's: read it before writing)."""
+        c, slot, j = self.cache, self.slots[b], self.reads[b]
+        start = None if j is None else (c.conv[slot, j, layer], c.ssm[slot, j, layer])
+        return (start, [c.conv[slot, e, layer] for e, _ in self.writes[b]],
+                [c.ssm[slot, e, layer] for e, _ in self.writes[b]])
+
     def rows_kept(self, b: int) -> int:
         """How many of window b's last rows have their states kept (`write` takes that many)."""
         return len(self.writes[b])

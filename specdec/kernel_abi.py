@@ -196,6 +196,10 @@ PROTOTYPES: dict[str, tuple[type, list]] = {
     "kquant_pack": (_I, [_P, _I64, _I64, _I64, _I, _P, _I]),
     # raw, row_stride, rows, ids, n, k, kind, out, out_bf16
     "gguf_rows": (_I, [_P, _I64, _I64, _P, _I64, _I64, _I, _P, _I]),
+    # mixed, n, conv_w, channels, kernel, g, beta, key_heads, heads, dk, dv, tiled, conv_in, ssm_in, keep,
+    # conv_out, ssm_out, out, threads
+    "gated_delta_window": (_I, [_P, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _I64, _I64, _I, _P, _P, _I64, _P, _P,
+                                _P, _I]),
     # bytes, threads, repeats, out (bytes/s)
     "roofline_read_bandwidth": (_I, [_I64, _I, _I, ctypes.POINTER(ctypes.c_double)]),
     # rounds, threads, out (multiply-adds/s)

@@ -20,10 +20,15 @@ another order).
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec import kernel_abi, native
 from specdec.cache import AttentionMetadata
 from specdec.target.config import ModelConfig
 from specdec.target.layers import RMSNorm, plus_linear
@@ -78,6 +83,62 @@ def gated_delta_rule(
         if t >= n - keep:
             kept.append(s)
     return out, torch.stack(kept) if kept else s.new_empty(0, *s.shape)
+
+
+SOURCE = Path(__file__).with_name("linear_attention.c")
+
+
+def kernel(level: native.SimdLevel | str | None = None) -> native.NativeKernel:
+    """The recurrence's library for `level` (None: the one this machine runs)."""
+    return native.simd_kernel((SOURCE,), ("gated_delta_window",), level)
+
+
+@functools.cache
+def _lib(level: str | None = None) -> ctypes.CDLL | None:
+    return kernel(level).load()
+
+
+def load_kernel(level: str | None = None) -> ctypes.CDLL | None:
+    """The loaded library, or None where it cannot run (`SPECDEC_NO_KERNELS=1`, no compiler,
+    `SPECDEC_ISA`): then the torch recurrence below runs."""
+    return None if kernel(level).unavailable_reason() is not None else _lib(level)
+
+
+def gated_delta_window_c(
+    lib: ctypes.CDLL, mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    key_heads: int, dk: int, dv: int, tiled: bool, start: tuple[torch.Tensor, torch.Tensor] | None,
+    conv_out: list[torch.Tensor], ssm_out: list[torch.Tensor],
+) -> torch.Tensor:
+    """One window in C (`linear_attention.c`): `mixed [n, C]` (q | k | v before the convolution),
+    `conv_weight [C, K]`, `g, beta [n, H]`, all fp32; `start` the states as of the window's start
+    (None: zeros); the states after each of its last `len(conv_out)` rows written into
+    `conv_out [C, K-1]` / `ssm_out [H, Dk, Dv]`. Returns the outputs `[n, H, Dv]` fp32."""
+    n, channels = mixed.shape
+    heads, kernel_size = g.shape[1], conv_weight.shape[1]
+    f32 = (torch.float32,)
+    kernel_abi.check_tensor("mixed", mixed, f32, (n, channels))
+    kernel_abi.check_tensor("conv_weight", conv_weight, f32, (channels, kernel_size))
+    kernel_abi.check_tensor("g", g, f32, (n, heads))
+    kernel_abi.check_tensor("beta", beta, f32, (n, heads))
+    shapes = {"conv": (channels, kernel_size - 1), "ssm": (heads, dk, dv)}
+    for name, t in (("conv", start[0]), ("ssm", start[1])) if start is not None else ():
+        kernel_abi.check_tensor(f"{name} state", t, f32, shapes[name])
+    for name, ts in (("conv", conv_out), ("ssm", ssm_out)):
+        for t in ts:
+            kernel_abi.check_tensor(f"{name} state", t, f32, shapes[name])
+    if len(conv_out) != len(ssm_out) or len(conv_out) > n:
+        raise ValueError(f"{len(conv_out)} conv and {len(ssm_out)} ssm states to write after a window of {n} rows")
+    out = torch.empty(n, heads, dv, dtype=torch.float32)
+    keep = len(conv_out)
+    conv_ptrs = (ctypes.c_void_p * max(keep, 1))(*[t.data_ptr() for t in conv_out])
+    ssm_ptrs = (ctypes.c_void_p * max(keep, 1))(*[t.data_ptr() for t in ssm_out])
+    rc = lib.gated_delta_window(
+        mixed.data_ptr(), n, conv_weight.data_ptr(), channels, kernel_size, g.data_ptr(), beta.data_ptr(), key_heads,
+        heads, dk, dv, int(tiled), start[0].data_ptr() if start else None, start[1].data_ptr() if start else None,
+        keep, conv_ptrs, ssm_ptrs, out.data_ptr(), torch.get_num_threads(),
+    )
+    kernel_abi.raise_for_status(rc, "gated_delta_window")
+    return out
 
 
 class GatedDeltaNet(nn.Module):
@@ -150,6 +211,9 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         weight = self.conv1d.weight  # [C, 1, K]
+        lib = load_kernel() if x.device.type == "cpu" and states.cache.spec.dtype == torch.float32 else None
+        if lib is not None:
+            return plus_linear(residual, self.out_proj, self._kernel_windows(lib, mixed, g, beta, z, meta))
         r = self.num_v_heads // self.num_k_heads
         out = torch.empty(x.shape[0], self.num_v_heads, self.head_v_dim, dtype=x.dtype, device=x.device)
         hi = 0
@@ -170,3 +234,19 @@ class GatedDeltaNet(nn.Module):
                 states.write(w, self.state_layer, conv_kept, ssm_kept)
         core = self.norm(out, z).reshape(x.shape[0], self.value_dim)
         return plus_linear(residual, self.out_proj, core)
+
+    def _kernel_windows(self, lib: ctypes.CDLL, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        z: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Every window's convolution and recurrence in C, reading and writing the state ring in
+        place; the gated norm of the outputs `[T, value_dim]`."""
+        states = meta.states
+        weight = self.conv1d.weight.detach().reshape(self.conv_dim, self.kernel).float().contiguous()
+        mixed, g, beta = mixed.float().contiguous(), g.float().contiguous(), beta.float().contiguous()
+        outs, hi = [], 0
+        for w, n in enumerate(meta.query_lens_cpu):
+            lo, hi = hi, hi + n
+            start, conv_out, ssm_out = states.entries(w, self.state_layer)
+            outs.append(gated_delta_window_c(lib, mixed[lo:hi], weight, g[lo:hi], beta[lo:hi], self.num_k_heads,
+                                             self.head_k_dim, self.head_v_dim, self.tiled, start, conv_out, ssm_out))
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(z.dtype)
+        return self.norm(out, z).reshape(z.shape[0], self.value_dim)
