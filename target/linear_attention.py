@@ -15,7 +15,9 @@ rows (`meta.states`), so that a verify window's rejected rows are dropped by sta
 forward from the state of the last kept one. Parameter names are transformers'
 (`Qwen3NextGatedDeltaNet`, `Qwen3_5GatedDeltaNet`), so its state dicts load as they are; the arithmetic follows its
 recurrent form token by token in fp32 (the chunked form of its prefill is the same sums in
-another order).
+another order). On the CPU one C call per window does the convolution, the norms and the
+recurrence (`linear_attention.c`, writing the kept states into the ring in place); the torch
+steps below run where no kernel does.
 """
 
 from __future__ import annotations
